@@ -1,1 +1,123 @@
-fn main() {}
+//! The `envace` binary: parses the command line and calls into the library.
+
+mod cli;
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+use cli::{BenchCommand, Cli, Command, GenerateArgs};
+use envace::message::Message;
+use envace::runtime::{CancelToken, LanguageModel, LocalModel, SamplingParams};
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        None => demo(None),
+        Some(Command::Demo(a)) => demo(a.model),
+        Some(Command::Generate(a)) => generate(a),
+        Some(Command::Bench(BenchCommand::Generate(a))) => {
+            let model = LocalModel::load(&a.model, a.device)
+                .with_context(|| format!("loading {}", a.model.display()))?;
+            let r = envace::runtime::bench::run(&model, a.prompt_tokens, a.new_tokens, a.runs)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let mut model =
+        LocalModel::load(&a.model, a.device).with_context(|| format!("loading {}", a.model.display()))?;
+    let prompt = if a.raw {
+        a.prompt.clone()
+    } else {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(Message::system(s.clone()));
+        }
+        msgs.push(Message::user(a.prompt.clone()));
+        model.render_chat(&msgs, &[], true, false)?
+    };
+    let ids = model.encode(&prompt)?;
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+        max_tokens: a.max_tokens,
+        stop: a.stop.clone(),
+    };
+    let cancel = CancelToken::new();
+    let t = Instant::now();
+    let gens = if a.json || a.branches > 1 {
+        model.generate(&ids, a.branches, &params, None, &cancel)?
+    } else {
+        let mut out = std::io::stdout();
+        let mut sink = |_: usize, s: &str| {
+            let _ = out.write_all(s.as_bytes());
+            let _ = out.flush();
+        };
+        let g = model.generate(&ids, 1, &params, Some(&mut sink), &cancel)?;
+        println!();
+        g
+    };
+    let secs = t.elapsed().as_secs_f64();
+    let tokens: usize = gens.iter().map(|g| g.response_ids.len()).sum();
+    if a.json {
+        let mut obj = serde_json::json!({
+            "prompt_tokens": ids.len(),
+            "tokens": tokens,
+            "tokens_per_s": tokens as f64 / secs.max(1e-9),
+            "seconds": secs,
+        });
+        if a.branches > 1 {
+            obj["branches"] = gens
+                .iter()
+                .map(|g| serde_json::json!({"text": g.text, "tokens": g.response_ids, "logprobs": g.logprobs, "finish": g.finish}))
+                .collect();
+        } else if let Some(g) = gens.first() {
+            obj["text"] = g.text.clone().into();
+            obj["response_ids"] = serde_json::json!(g.response_ids);
+            obj["logprobs"] = serde_json::json!(g.logprobs);
+            obj["finish"] = serde_json::json!(g.finish);
+        }
+        println!("{obj}");
+    } else if a.branches > 1 {
+        for (i, g) in gens.iter().enumerate() {
+            println!("--- branch {i} ({} tokens) ---\n{}", g.response_ids.len(), g.text);
+        }
+    }
+    Ok(())
+}
+
+fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
+    let path = model.unwrap_or_else(|| std::path::PathBuf::from("models/envace-tiny"));
+    anyhow::ensure!(
+        path.exists(),
+        "the bundled model {} is missing (run from the repository root)",
+        path.display()
+    );
+    let a = GenerateArgs {
+        model: path,
+        prompt: "Move 40 from checking to savings.".into(),
+        system: None,
+        max_tokens: 96,
+        seed: 0,
+        temperature: 0.0,
+        top_p: None,
+        top_k: None,
+        branches: 1,
+        device: Default::default(),
+        stop: Vec::new(),
+        raw: false,
+        json: false,
+    };
+    generate(a)
+}

@@ -1,11 +1,25 @@
 //! The local model runtime: one trainable llama-family decoder (Llama, Qwen2, Qwen3 variants),
-//! GGUF models through candle-transformers, tokenizers, chat templates, seeded sampling and
-//! batched, forkable generation. Everything above talks to a model through [`LanguageModel`],
-//! so an OpenAI-compatible server (vLLM/SGLang) can later stand behind the same seam.
+//! GGUF models, tokenizers, chat templates, seeded sampling and batched, forkable generation.
+//! Everything above talks to a model through [`LanguageModel`], so an OpenAI-compatible server
+//! (vLLM/SGLang) can later stand behind the same seam.
 
 pub mod backend;
+pub mod bench;
+pub mod chat_template;
+pub mod config;
+pub mod decoder;
+pub mod device;
+pub mod fixture;
+pub mod generate;
+pub mod kv_cache;
+pub mod loader;
+pub mod model;
+pub mod sampler;
+pub mod tokenizer;
 
 pub use backend::{
     CancelToken, FinishReason, Generation, LanguageModel, ModelInfo, RuntimeError, SamplingParams,
     StreamSink,
 };
+pub use device::DeviceChoice;
+pub use model::LocalModel;

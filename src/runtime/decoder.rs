@@ -1,0 +1,401 @@
+//! The project's own llama-family decoder (Llama, Qwen2, Qwen3 from one implementation).
+//!
+//! Why it exists: candle-transformers' stock models cannot train (their fused ops have no
+//! backward) and hide their KV cache. This decoder
+//! - runs candle's fused ops (`rms_norm`, `rope`, `softmax_last_dim`) in [`Pass::Infer`] and
+//!   the differentiable ones (`rms_norm_slow`, `rope_slow`, `softmax`) in [`Pass::Train`];
+//! - takes an explicit, batched, forkable [`KvCache`] (rehearsal branches share a prefill);
+//! - returns logits for every position when asked (the trainer needs them);
+//! - holds each projection either dense (safetensors, trainable, optionally LoRA-wrapped) or
+//!   quantized (GGUF via candle's `QMatMul`), with an f32 copy for prefill where it fits.
+//! Reference: HF `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
+
+use std::sync::Arc;
+
+use candle_core::quantized::QMatMul;
+use candle_core::{D, DType, Device, Module, Tensor};
+
+use super::config::DecoderConfig;
+use super::kv_cache::KvCache;
+
+type Result<T> = candle_core::Result<T>;
+
+/// Which candle ops to use: fused (fast, no backward) or differentiable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    Infer,
+    Train,
+}
+
+/// Which positions to return logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsAt {
+    Last,
+    All,
+}
+
+/// A low-rank adapter on a dense projection: y += (alpha/r) · (x Aᵀ) Bᵀ.
+#[derive(Debug, Clone)]
+pub struct LoraWeights {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+/// A projection's weight, dense or quantized.
+#[derive(Debug, Clone)]
+pub enum Weight {
+    Dense(Tensor),
+    Quant {
+        q: Arc<QMatMul>,
+        /// f32 copy used when many rows are multiplied at once (prefill), where candle's gemm
+        /// beats the quantized kernels. Absent when it would not fit the memory budget.
+        dense: Option<Tensor>,
+    },
+}
+
+/// Rows above which a quantized projection uses its dense copy.
+const PREFILL_DENSE_ROWS: usize = 8;
+
+/// `y = x Wᵀ + b` (+ LoRA).
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Weight,
+    pub bias: Option<Tensor>,
+    pub lora: Option<LoraWeights>,
+}
+
+impl Linear {
+    pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self {
+            weight: Weight::Dense(weight),
+            bias,
+            lora: None,
+        }
+    }
+
+    /// `(out_features, in_features)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match &self.weight {
+            Weight::Dense(w) => w.dims2(),
+            Weight::Quant { q, .. } => match q.as_ref() {
+                QMatMul::QTensor(t) => t.shape().dims2(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2(),
+            },
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let last = dims.len() - 1;
+        let rows: usize = dims[..last].iter().product();
+        let x2 = x.reshape((rows, dims[last]))?;
+        let mut y = match &self.weight {
+            Weight::Dense(w) => x2.matmul(&w.t()?)?,
+            Weight::Quant { q, dense } => match dense {
+                Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
+                _ => q.forward(&x2)?,
+            },
+        };
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(l) = &self.lora {
+            let delta = x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            y = (y + (delta * l.scale)?)?;
+        }
+        let mut out_dims = dims;
+        out_dims[last] = y.dim(1)?;
+        y.reshape(out_dims)
+    }
+}
+
+/// RMSNorm with a learned scale.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
+        match pass {
+            Pass::Infer => candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32),
+            Pass::Train => candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps as f32),
+        }
+    }
+}
+
+/// Precomputed RoPE tables.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+}
+
+impl Rope {
+    pub fn new(cfg: &DecoderConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let inv = cfg.rope_inv_freq();
+        let n = inv.len();
+        let inv = Tensor::from_vec(inv, (1, n), device)?;
+        let max = cfg.max_position_embeddings;
+        let t = Tensor::arange(0u32, max as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((max, 1))?;
+        let freqs = t.matmul(&inv)?;
+        Ok(Self {
+            cos: freqs.cos()?.to_dtype(dtype)?,
+            sin: freqs.sin()?.to_dtype(dtype)?,
+            interleaved: cfg.rope_interleaved,
+        })
+    }
+
+    /// `x`: (b, h, l, d), positions `offset..offset+l`.
+    fn apply(&self, x: &Tensor, offset: usize, pass: Pass) -> Result<Tensor> {
+        let (_, _, l, _) = x.dims4()?;
+        let max = self.cos.dim(0)?;
+        if offset + l > max {
+            candle_core::bail!(
+                "sequence of {} tokens exceeds max_position_embeddings {max}",
+                offset + l
+            );
+        }
+        let cos = self.cos.narrow(0, offset, l)?;
+        let sin = self.sin.narrow(0, offset, l)?;
+        let x = x.contiguous()?;
+        match (pass, self.interleaved) {
+            (Pass::Infer, false) => candle_nn::rotary_emb::rope(&x, &cos, &sin),
+            (Pass::Infer, true) => candle_nn::rotary_emb::rope_i(&x, &cos, &sin),
+            (Pass::Train, false) => candle_nn::rotary_emb::rope_slow(&x, &cos, &sin),
+            (Pass::Train, true) => candle_nn::rotary_emb::rope_i_slow(&x, &cos, &sin),
+        }
+    }
+}
+
+/// One attention block's weights.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+}
+
+/// The SwiGLU MLP.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&(g * u)?)
+    }
+}
+
+/// One transformer block.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    pub input_layernorm: RmsNorm,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: Mlp,
+}
+
+/// Token embeddings: a dense table.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    pub weight: Tensor,
+}
+
+/// The decoder.
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    pub cfg: DecoderConfig,
+    pub embed: Embedding,
+    pub layers: Vec<Layer>,
+    pub norm: RmsNorm,
+    pub lm_head: Linear,
+    pub rope: Rope,
+    pub device: Device,
+    pub dtype: DType,
+}
+
+/// Additive attention mask (b, 1, l, s): causal −inf plus a finite large negative on left
+/// padding (a fully padded query row then stays finite instead of becoming NaN).
+fn build_mask(
+    b: usize,
+    l: usize,
+    offset: usize,
+    pad: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let s = offset + l;
+    let any_pad = pad.iter().any(|&p| p > 0);
+    if l == 1 && !any_pad {
+        return Ok(None);
+    }
+    let mut data = vec![0f32; b * l * s];
+    for r in 0..b {
+        let p = pad.get(r).copied().unwrap_or(0);
+        for i in 0..l {
+            for j in 0..s {
+                let v = if j > offset + i {
+                    f32::NEG_INFINITY
+                } else if j < p {
+                    -1e9
+                } else {
+                    0.0
+                };
+                data[(r * l + i) * s + j] = v;
+            }
+        }
+    }
+    Ok(Some(
+        Tensor::from_vec(data, (b, 1, l, s), device)?.to_dtype(dtype)?,
+    ))
+}
+
+impl Attention {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        cfg: &DecoderConfig,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+        layer: usize,
+        pass: Pass,
+    ) -> Result<Tensor> {
+        let (b, l, _) = x.dims3()?;
+        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let offset = cache.seq_len();
+        let q = self.q_proj.forward(x)?.reshape((b, l, nh, hd))?.transpose(1, 2)?;
+        let k = self.k_proj.forward(x)?.reshape((b, l, nkv, hd))?.transpose(1, 2)?;
+        let v = self.v_proj.forward(x)?.reshape((b, l, nkv, hd))?.transpose(1, 2)?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q.contiguous()?, pass)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k.contiguous()?, pass)?,
+            None => k,
+        };
+        let q = rope.apply(&q, offset, pass)?;
+        let k = rope.apply(&k, offset, pass)?;
+        let (k, v) = cache.append(layer, &k, &v.contiguous()?)?;
+        let s = k.dim(2)?;
+        let groups = nh / nkv;
+        // GQA without copying k/v: fold the query groups into the row dimension.
+        let q = q.reshape((b, nkv, groups * l, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let att = (q.matmul(&k.t()?)? * scale)?;
+        let att = match mask {
+            Some(m) => {
+                let att = att.reshape((b, nkv, groups, l, s))?;
+                let m = m.reshape((b, 1, 1, l, s))?;
+                att.broadcast_add(&m)?.reshape((b, nkv, groups * l, s))?
+            }
+            None => att,
+        };
+        let att = match pass {
+            Pass::Infer => candle_nn::ops::softmax_last_dim(&att.contiguous()?)?,
+            Pass::Train => candle_nn::ops::softmax(&att, D::Minus1)?,
+        };
+        let out = att.matmul(&v)?; // (b, nkv, groups*l, hd)
+        let out = out
+            .reshape((b, nh, l, hd))?
+            .transpose(1, 2)?
+            .reshape((b, l, nh * hd))?;
+        self.o_proj.forward(&out)
+    }
+}
+
+impl Decoder {
+    /// Forward `ids` (b, l) after the cached positions. Appends to `cache`. Returns logits
+    /// (b, vocab) for [`LogitsAt::Last`] or (b, l, vocab) for [`LogitsAt::All`], in f32.
+    pub fn forward(
+        &self,
+        ids: &Tensor,
+        cache: &mut KvCache,
+        pass: Pass,
+        at: LogitsAt,
+    ) -> Result<Tensor> {
+        let h = self.hidden(ids, cache, pass)?;
+        let (_, l, _) = h.dims3()?;
+        let h = match at {
+            LogitsAt::Last => h.narrow(1, l - 1, 1)?.squeeze(1)?,
+            LogitsAt::All => h,
+        };
+        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+    }
+
+    /// Final hidden states (b, l, hidden) after the last norm.
+    pub fn hidden(&self, ids: &Tensor, cache: &mut KvCache, pass: Pass) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
+        if cache.num_layers() != self.layers.len() {
+            candle_core::bail!(
+                "kv cache has {} layers, model has {}",
+                cache.num_layers(),
+                self.layers.len()
+            );
+        }
+        if cache.seq_len() > 0 && cache.batch_size() != b {
+            candle_core::bail!(
+                "kv cache batch {} does not match input batch {b}",
+                cache.batch_size()
+            );
+        }
+        let offset = cache.seq_len();
+        let mask = build_mask(b, l, offset, cache.pad(b), self.dtype, &self.device)?;
+        let flat = ids.flatten_all()?;
+        let mut x = self
+            .embed
+            .weight
+            .index_select(&flat, 0)?
+            .reshape((b, l, self.cfg.hidden_size))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let r = x.clone();
+            let y = layer.input_layernorm.forward(&x, pass)?;
+            let y = layer
+                .self_attn
+                .forward(&y, &self.cfg, &self.rope, mask.as_ref(), cache, i, pass)?;
+            x = (r + y)?;
+            let r = x.clone();
+            let y = layer.post_attention_layernorm.forward(&x, pass)?;
+            let y = layer.mlp.forward(&y)?;
+            x = (r + y)?;
+        }
+        cache.advance(l);
+        self.norm.forward(&x, pass)
+    }
+
+    /// Every dense weight tensor with its HF name (for saving, grads, LoRA targets).
+    pub fn named_linears(&self) -> Vec<(String, &Linear)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            out.push((format!("{p}.self_attn.q_proj"), &l.self_attn.q_proj));
+            out.push((format!("{p}.self_attn.k_proj"), &l.self_attn.k_proj));
+            out.push((format!("{p}.self_attn.v_proj"), &l.self_attn.v_proj));
+            out.push((format!("{p}.self_attn.o_proj"), &l.self_attn.o_proj));
+            out.push((format!("{p}.mlp.gate_proj"), &l.mlp.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &l.mlp.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &l.mlp.down_proj));
+        }
+        out
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.layers.len())
+    }
+}

@@ -1,0 +1,473 @@
+//! Loading checkpoints into the [`Decoder`]: HF directories (single or sharded safetensors,
+//! any float dtype converted explicitly) and GGUF files (quantized, with Q4_1/Q5_x weights
+//! requantized to Q8_0, whose CPU kernels are SIMD, and an f32 copy for prefill when it fits).
+//! Every failure names the file and the tensor or field.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::backend::RuntimeError;
+use super::config::{DecoderConfig, Family, token_ids};
+use super::decoder::{Attention, Decoder, Embedding, Layer, Linear, Mlp, RmsNorm, Rope, Weight};
+
+/// Budget for f32 prefill copies of quantized weights.
+const DENSE_PREFILL_BUDGET_BYTES: usize = 2 << 30;
+
+/// Where a checkpoint's files are.
+#[derive(Debug, Clone)]
+pub struct CheckpointFiles {
+    pub dir: PathBuf,
+    pub config: PathBuf,
+    pub weights: Vec<PathBuf>,
+    pub tokenizer: PathBuf,
+    pub tokenizer_config: Option<PathBuf>,
+    pub generation_config: Option<PathBuf>,
+}
+
+fn file_err(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::File {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+impl CheckpointFiles {
+    /// Locate the files of an HF checkpoint directory.
+    pub fn locate(dir: &Path) -> Result<Self, RuntimeError> {
+        if !dir.is_dir() {
+            return Err(file_err(dir, "not a directory (expected an HF checkpoint directory or a .gguf file)"));
+        }
+        let need = |name: &str| {
+            let p = dir.join(name);
+            if p.is_file() {
+                Ok(p)
+            } else {
+                Err(file_err(&p, "missing"))
+            }
+        };
+        let config = need("config.json")?;
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let weights = if single.is_file() {
+            vec![single]
+        } else if index.is_file() {
+            let text = std::fs::read_to_string(&index).map_err(|e| file_err(&index, e.to_string()))?;
+            let v: Value = serde_json::from_str(&text).map_err(|e| file_err(&index, format!("invalid JSON: {e}")))?;
+            let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| RuntimeError::Field {
+                path: index.display().to_string(),
+                field: "weight_map".into(),
+                message: "missing or not an object".into(),
+            })?;
+            let mut files: Vec<String> = map.values().filter_map(|x| x.as_str().map(str::to_string)).collect();
+            files.sort();
+            files.dedup();
+            let mut out = Vec::new();
+            for f in files {
+                let p = dir.join(&f);
+                if !p.is_file() {
+                    return Err(file_err(&p, format!("missing (listed in {})", index.display())));
+                }
+                out.push(p);
+            }
+            out
+        } else {
+            return Err(file_err(&single, "missing (and no model.safetensors.index.json for a sharded checkpoint)"));
+        };
+        let opt = |name: &str| {
+            let p = dir.join(name);
+            p.is_file().then_some(p)
+        };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            weights,
+            tokenizer: need("tokenizer.json")?,
+            tokenizer_config: opt("tokenizer_config.json"),
+            generation_config: opt("generation_config.json"),
+        })
+    }
+}
+
+/// sha256 of a set of files, hex.
+pub fn hash_files(paths: &[PathBuf]) -> Result<String, RuntimeError> {
+    let mut h = Sha256::new();
+    for p in paths {
+        let mut f = std::fs::File::open(p).map_err(|e| file_err(p, e.to_string()))?;
+        std::io::copy(&mut f, &mut h).map_err(|e| file_err(p, e.to_string()))?;
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Where tensors come from while building the decoder.
+struct TensorSource<'a> {
+    tensors: HashMap<String, (Tensor, PathBuf)>,
+    dtype: DType,
+    device: &'a Device,
+    trainable: Option<&'a VarMap>,
+}
+
+impl TensorSource<'_> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, RuntimeError> {
+        let (t, path) = self.tensors.get(name).ok_or_else(|| {
+            let mut near: Vec<&String> = self
+                .tensors
+                .keys()
+                .filter(|k| k.ends_with(name.rsplit('.').next().unwrap_or(name)))
+                .take(3)
+                .collect();
+            near.sort();
+            RuntimeError::Tensor {
+                path: "checkpoint".into(),
+                name: name.into(),
+                message: format!("missing from the weight files (similar names: {near:?})"),
+            }
+        })?;
+        if t.dims() != shape {
+            return Err(RuntimeError::Tensor {
+                path: path.display().to_string(),
+                name: name.into(),
+                message: format!("shape mismatch: expected {shape:?}, got {:?}", t.dims()),
+            });
+        }
+        let t = t.to_dtype(self.dtype)?.to_device(self.device)?;
+        match self.trainable {
+            None => Ok(t),
+            Some(vm) => {
+                let var = Var::from_tensor(&t)?;
+                let out = var.as_tensor().clone();
+                vm.data()
+                    .lock()
+                    .map_err(|_| RuntimeError::Generation("var map lock poisoned".into()))?
+                    .insert(name.to_string(), var);
+                Ok(out)
+            }
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Load the dense tensors of a checkpoint's weight files.
+pub fn read_safetensors(paths: &[PathBuf]) -> Result<HashMap<String, (Tensor, PathBuf)>, RuntimeError> {
+    let mut out = HashMap::new();
+    for p in paths {
+        let bytes = std::fs::read(p).map_err(|e| file_err(p, format!("cannot read: {e}")))?;
+        let map = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+            .map_err(|e| file_err(p, format!("truncated or corrupt safetensors: {e}")))?;
+        for (k, v) in map {
+            out.insert(k, (v, p.clone()));
+        }
+    }
+    Ok(out)
+}
+
+/// Build a dense decoder from named tensors. With `trainable`, every weight becomes a `Var`
+/// registered under its HF name.
+pub fn build_dense(
+    cfg: &DecoderConfig,
+    tensors: HashMap<String, (Tensor, PathBuf)>,
+    dtype: DType,
+    device: &Device,
+    trainable: Option<&VarMap>,
+) -> Result<Decoder, RuntimeError> {
+    let src = TensorSource {
+        tensors,
+        dtype,
+        device,
+        trainable,
+    };
+    let h = cfg.hidden_size;
+    let (nh, nkv, hd, im) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    );
+    let lin = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear, RuntimeError> {
+        let w = src.get(&format!("{name}.weight"), &[out, inp])?;
+        let b = if bias {
+            Some(src.get(&format!("{name}.bias"), &[out])?)
+        } else {
+            None
+        };
+        Ok(Linear::dense(w, b))
+    };
+    let norm = |name: &str, n: usize| -> Result<RmsNorm, RuntimeError> {
+        Ok(RmsNorm {
+            weight: src.get(&format!("{name}.weight"), &[n])?,
+            eps: cfg.rms_norm_eps,
+        })
+    };
+    let embed = src.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        layers.push(Layer {
+            input_layernorm: norm(&format!("{p}.input_layernorm"), h)?,
+            post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), h)?,
+            self_attn: Attention {
+                q_proj: lin(&format!("{p}.self_attn.q_proj"), nh * hd, h, cfg.qkv_bias)?,
+                k_proj: lin(&format!("{p}.self_attn.k_proj"), nkv * hd, h, cfg.qkv_bias)?,
+                v_proj: lin(&format!("{p}.self_attn.v_proj"), nkv * hd, h, cfg.qkv_bias)?,
+                o_proj: lin(&format!("{p}.self_attn.o_proj"), h, nh * hd, false)?,
+                q_norm: if cfg.qk_norm {
+                    Some(norm(&format!("{p}.self_attn.q_norm"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(norm(&format!("{p}.self_attn.k_norm"), hd)?)
+                } else {
+                    None
+                },
+            },
+            mlp: Mlp {
+                gate_proj: lin(&format!("{p}.mlp.gate_proj"), im, h, false)?,
+                up_proj: lin(&format!("{p}.mlp.up_proj"), im, h, false)?,
+                down_proj: lin(&format!("{p}.mlp.down_proj"), h, im, false)?,
+            },
+        });
+    }
+    let lm_head = if cfg.tie_word_embeddings || !src.has("lm_head.weight") {
+        if !cfg.tie_word_embeddings {
+            return Err(RuntimeError::Tensor {
+                path: "checkpoint".into(),
+                name: "lm_head.weight".into(),
+                message: "missing and tie_word_embeddings is false".into(),
+            });
+        }
+        Linear::dense(embed.clone(), None)
+    } else {
+        lin("lm_head", cfg.vocab_size, h, false)?
+    };
+    Ok(Decoder {
+        cfg: cfg.clone(),
+        embed: Embedding { weight: embed },
+        layers,
+        norm: norm("model.norm", h)?,
+        lm_head,
+        rope: Rope::new(cfg, dtype, device)?,
+        device: device.clone(),
+        dtype,
+    })
+}
+
+/// Load an HF checkpoint directory.
+pub fn load_hf(
+    files: &CheckpointFiles,
+    dtype: DType,
+    device: &Device,
+    trainable: Option<&VarMap>,
+) -> Result<Decoder, RuntimeError> {
+    let mut cfg = DecoderConfig::from_hf_file(&files.config)?;
+    if let Some(gc) = &files.generation_config
+        && let Ok(text) = std::fs::read_to_string(gc)
+        && let Ok(v) = serde_json::from_str::<Value>(&text)
+    {
+        for id in token_ids(v.get("eos_token_id")) {
+            if !cfg.eos_token_ids.contains(&id) {
+                cfg.eos_token_ids.push(id);
+            }
+        }
+    }
+    let tensors = read_safetensors(&files.weights)?;
+    build_dense(&cfg, tensors, dtype, device, trainable)
+}
+
+/// GGUF metadata lookups that name the file and key on failure.
+struct Meta<'a> {
+    ct: &'a gguf_file::Content,
+    path: &'a Path,
+    arch: String,
+}
+
+impl Meta<'_> {
+    fn get(&self, key: &str) -> Result<&gguf_file::Value, RuntimeError> {
+        let full = format!("{}.{key}", self.arch);
+        self.ct.metadata.get(&full).ok_or_else(|| RuntimeError::Field {
+            path: self.path.display().to_string(),
+            field: full.clone(),
+            message: "missing GGUF metadata".into(),
+        })
+    }
+    fn u32(&self, key: &str) -> Result<usize, RuntimeError> {
+        self.get(key)?.to_u32().map(|x| x as usize).map_err(|e| RuntimeError::Field {
+            path: self.path.display().to_string(),
+            field: format!("{}.{key}", self.arch),
+            message: e.to_string(),
+        })
+    }
+    fn f32_or(&self, key: &str, default: f64) -> f64 {
+        self.get(key).ok().and_then(|v| v.to_f32().ok()).map(f64::from).unwrap_or(default)
+    }
+}
+
+/// Load a GGUF file (llama, qwen2, qwen3 architectures).
+pub fn load_gguf(path: &Path, device: &Device) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
+    let mut f = std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+    let ct = gguf_file::Content::read(&mut f)
+        .map_err(|e| file_err(path, format!("not a valid GGUF file: {e}")))?;
+    let arch = ct
+        .metadata
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .ok_or_else(|| RuntimeError::Field {
+            path: path.display().to_string(),
+            field: "general.architecture".into(),
+            message: "missing".into(),
+        })?;
+    let family = match arch.as_str() {
+        "llama" => Family::Llama,
+        "qwen2" => Family::Qwen2,
+        "qwen3" => Family::Qwen3,
+        other => {
+            return Err(RuntimeError::UnsupportedArchitecture {
+                path: path.display().to_string(),
+                got: other.to_string(),
+                supported: "llama, qwen2, qwen3 (GGUF general.architecture)".into(),
+            });
+        }
+    };
+    let meta = Meta { ct: &ct, path, arch: arch.clone() };
+    let hidden = meta.u32("embedding_length")?;
+    let nh = meta.u32("attention.head_count")?;
+    let nkv = meta.u32("attention.head_count_kv")?;
+    let head_dim = meta.u32("attention.key_length").unwrap_or(hidden / nh.max(1));
+    let layers_n = meta.u32("block_count")?;
+    let ctx = meta.u32("context_length").unwrap_or(4096);
+    let mut read = |name: &str| -> Result<QTensor, RuntimeError> {
+        ct.tensor(&mut f, name, device).map_err(|e| RuntimeError::Tensor {
+            path: path.display().to_string(),
+            name: name.into(),
+            message: format!("{e}"),
+        })
+    };
+    let embed_q = read("token_embd.weight")?;
+    let (vocab, emb_dim) = embed_q.shape().dims2()?;
+    if emb_dim != hidden {
+        return Err(RuntimeError::Tensor {
+            path: path.display().to_string(),
+            name: "token_embd.weight".into(),
+            message: format!("shape mismatch: expected [{vocab}, {hidden}], got {:?}", embed_q.shape().dims()),
+        });
+    }
+    let cfg = DecoderConfig {
+        family,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: meta.u32("feed_forward_length")?,
+        num_hidden_layers: layers_n,
+        num_attention_heads: nh,
+        num_key_value_heads: nkv,
+        head_dim,
+        rms_norm_eps: meta.f32_or("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta: meta.f32_or("rope.freq_base", 10_000.0),
+        rope_scaling: None,
+        max_position_embeddings: ctx.min(32_768),
+        tie_word_embeddings: false,
+        qkv_bias: family == Family::Qwen2,
+        qk_norm: family == Family::Qwen3,
+        rope_interleaved: family == Family::Llama,
+        bos_token_id: ct
+            .metadata
+            .get("tokenizer.ggml.bos_token_id")
+            .and_then(|v| v.to_u32().ok()),
+        eos_token_ids: ct
+            .metadata
+            .get("tokenizer.ggml.eos_token_id")
+            .and_then(|v| v.to_u32().ok())
+            .into_iter()
+            .collect(),
+    };
+    let dense_bytes = cfg.parameter_count() * 4;
+    let keep_dense = device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
+    let quant = |t: QTensor| -> Result<Linear, RuntimeError> {
+        let dense = if keep_dense { Some(t.dequantize(device)?) } else { None };
+        // Types whose CPU vec_dot is the scalar fallback are requantized to Q8_0.
+        let t = match t.dtype() {
+            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1 if device.is_cpu() => {
+                let d = match &dense {
+                    Some(d) => d.clone(),
+                    None => t.dequantize(device)?,
+                };
+                QTensor::quantize(&d, GgmlDType::Q8_0)?
+            }
+            _ => t,
+        };
+        Ok(Linear {
+            weight: Weight::Quant {
+                q: Arc::new(QMatMul::from_qtensor(t)?),
+                dense,
+            },
+            bias: None,
+            lora: None,
+        })
+    };
+    let dq = |t: &QTensor| -> Result<Tensor, RuntimeError> { Ok(t.dequantize(device)?) };
+    let embed = dq(&embed_q)?;
+    let mut layers = Vec::with_capacity(layers_n);
+    for i in 0..layers_n {
+        let p = format!("blk.{i}");
+        let mut lin = |n: &str, bias: bool| -> Result<Linear, RuntimeError> {
+            let mut l = quant(read(&format!("{p}.{n}.weight"))?)?;
+            if bias {
+                l.bias = Some(dq(&read(&format!("{p}.{n}.bias"))?)?);
+            }
+            Ok(l)
+        };
+        let q_proj = lin("attn_q", cfg.qkv_bias)?;
+        let k_proj = lin("attn_k", cfg.qkv_bias)?;
+        let v_proj = lin("attn_v", cfg.qkv_bias)?;
+        let o_proj = lin("attn_output", false)?;
+        let gate_proj = lin("ffn_gate", false)?;
+        let up_proj = lin("ffn_up", false)?;
+        let down_proj = lin("ffn_down", false)?;
+        let mut norm = |n: &str| -> Result<RmsNorm, RuntimeError> {
+            Ok(RmsNorm {
+                weight: dq(&read(&format!("{p}.{n}.weight"))?)?,
+                eps: cfg.rms_norm_eps,
+            })
+        };
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (Some(norm("attn_q_norm")?), Some(norm("attn_k_norm")?))
+        } else {
+            (None, None)
+        };
+        layers.push(Layer {
+            input_layernorm: norm("attn_norm")?,
+            post_attention_layernorm: norm("ffn_norm")?,
+            self_attn: Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm },
+            mlp: Mlp { gate_proj, up_proj, down_proj },
+        });
+    }
+    let norm = RmsNorm {
+        weight: dq(&read("output_norm.weight")?)?,
+        eps: cfg.rms_norm_eps,
+    };
+    let lm_head = if ct.tensor_infos.contains_key("output.weight") {
+        quant(read("output.weight")?)?
+    } else {
+        quant(embed_q)?
+    };
+    let decoder = Decoder {
+        rope: Rope::new(&cfg, DType::F32, device)?,
+        cfg,
+        embed: Embedding { weight: embed },
+        layers,
+        norm,
+        lm_head,
+        device: device.clone(),
+        dtype: DType::F32,
+    };
+    Ok((decoder, ct))
+}

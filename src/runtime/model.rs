@@ -1,0 +1,280 @@
+//! `LocalModel`: a checkpoint directory or GGUF file loaded into the decoder, with its tokenizer,
+//! chat template and EOS ids, implementing [`LanguageModel`]. Keeps a few recent prompt
+//! prefixes so that a growing conversation is not prefilled from scratch on every turn.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use candle_core::{DType, Device};
+use serde_json::Value;
+
+use super::backend::{
+    CancelToken, Generation, LanguageModel, ModelInfo, RuntimeError, SamplingParams, StreamSink,
+};
+use super::chat_template::{ChatTemplate, from_tokenizer_config};
+use super::decoder::Decoder;
+use super::device::{DeviceChoice, default_dtype, describe};
+use super::generate::{GenContext, Prefix, generate_batch};
+use super::loader::{CheckpointFiles, hash_files, load_gguf, load_hf};
+use super::tokenizer::Tokenizer;
+use crate::message::Message;
+
+/// How many recent prompt prefixes to keep for reuse.
+const PREFIX_SLOTS: usize = 4;
+
+/// A loaded local model.
+pub struct LocalModel {
+    pub decoder: Decoder,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub eos_ids: Vec<u32>,
+    pub path: PathBuf,
+    hash: String,
+    prefixes: Vec<Prefix>,
+}
+
+impl std::fmt::Debug for LocalModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalModel").field("path", &self.path).finish()
+    }
+}
+
+fn add_eos(eos: &mut Vec<u32>, tok: &Tokenizer, s: &str) {
+    if s.is_empty() {
+        return;
+    }
+    if let Some(id) = tok.token_to_id(s)
+        && !eos.contains(&id)
+    {
+        eos.push(id);
+    }
+}
+
+impl LocalModel {
+    /// Load a checkpoint directory or `.gguf` file.
+    pub fn load(path: &Path, device: DeviceChoice) -> Result<Self, RuntimeError> {
+        let device = device.open()?;
+        Self::load_on(path, &device, None)
+    }
+
+    /// Load on a given device with an optional dtype override.
+    pub fn load_on(path: &Path, device: &Device, dtype: Option<DType>) -> Result<Self, RuntimeError> {
+        if path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf") {
+            return Self::load_gguf(path, device);
+        }
+        if !path.exists() {
+            return Err(RuntimeError::File {
+                path: path.display().to_string(),
+                message: "no such file or directory (expected an HF checkpoint directory or a .gguf file)".into(),
+            });
+        }
+        let files = CheckpointFiles::locate(path)?;
+        let dtype = dtype.unwrap_or_else(|| default_dtype(device));
+        let decoder = load_hf(&files, dtype, device, None)?;
+        let tokenizer = Tokenizer::from_file(&files.tokenizer)?;
+        let (template, tc) = match &files.tokenizer_config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| RuntimeError::File {
+                    path: p.display().to_string(),
+                    message: e.to_string(),
+                })?;
+                let v: Value = serde_json::from_str(&text).map_err(|e| RuntimeError::File {
+                    path: p.display().to_string(),
+                    message: format!("invalid JSON: {e}"),
+                })?;
+                let t = match from_tokenizer_config(&v) {
+                    Some((src, bos, eos)) => ChatTemplate::new(&src, &bos, &eos).map_err(|e| {
+                        RuntimeError::Field {
+                            path: p.display().to_string(),
+                            field: "chat_template".into(),
+                            message: e.to_string(),
+                        }
+                    })?,
+                    None => ChatTemplate::chatml(),
+                };
+                (t, Some(v))
+            }
+            None => (ChatTemplate::chatml(), None),
+        };
+        let mut eos_ids = decoder.cfg.eos_token_ids.clone();
+        if let Some(v) = &tc {
+            let eos = template.eos_token.clone();
+            add_eos(&mut eos_ids, &tokenizer, &eos);
+            let _ = v;
+        }
+        let mut weights = files.weights.clone();
+        weights.push(files.config.clone());
+        let hash = hash_files(&weights)?;
+        Self::finish(decoder, tokenizer, template, eos_ids, path, hash, &files.tokenizer)
+    }
+
+    fn load_gguf(path: &Path, device: &Device) -> Result<Self, RuntimeError> {
+        let (decoder, ct) = load_gguf(path, device)?;
+        let inner = tokenizers::Tokenizer::from_gguf(&ct).map_err(|e| RuntimeError::Field {
+            path: path.display().to_string(),
+            field: "tokenizer.ggml.*".into(),
+            message: format!("cannot build tokenizer: {e}"),
+        })?;
+        let tokenizer = Tokenizer::from_inner(inner);
+        let token_str = |key: &str| -> String {
+            ct.metadata
+                .get(key)
+                .and_then(|v| v.to_u32().ok())
+                .and_then(|id| tokenizer.id_to_token(id))
+                .unwrap_or_default()
+        };
+        let bos = token_str("tokenizer.ggml.bos_token_id");
+        let eos = token_str("tokenizer.ggml.eos_token_id");
+        let template = match ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()) {
+            Some(src) => ChatTemplate::new(src, &bos, &eos).map_err(|e| RuntimeError::Field {
+                path: path.display().to_string(),
+                field: "tokenizer.chat_template".into(),
+                message: e.to_string(),
+            })?,
+            None => ChatTemplate::chatml(),
+        };
+        let eos_ids = decoder.cfg.eos_token_ids.clone();
+        let hash = hash_files(&[path.to_path_buf()])?;
+        let _: &gguf_file::Content = &ct;
+        Self::finish(decoder, tokenizer, template, eos_ids, path, hash, path)
+    }
+
+    fn finish(
+        decoder: Decoder,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        mut eos_ids: Vec<u32>,
+        path: &Path,
+        hash: String,
+        tokenizer_path: &Path,
+    ) -> Result<Self, RuntimeError> {
+        let vocab = tokenizer.vocab_size();
+        if vocab > decoder.cfg.vocab_size {
+            return Err(RuntimeError::Field {
+                path: tokenizer_path.display().to_string(),
+                field: "vocab".into(),
+                message: format!(
+                    "tokenizer has {vocab} tokens but the embedding has only {} rows",
+                    decoder.cfg.vocab_size
+                ),
+            });
+        }
+        // Chat models end a turn with the template's end-of-turn token.
+        if template.source.contains("<|im_end|>") {
+            add_eos(&mut eos_ids, &tokenizer, "<|im_end|>");
+        }
+        if eos_ids.is_empty() {
+            add_eos(&mut eos_ids, &tokenizer, "<|endoftext|>");
+        }
+        Ok(Self {
+            decoder,
+            tokenizer,
+            template,
+            eos_ids,
+            path: path.to_path_buf(),
+            hash,
+            prefixes: Vec::new(),
+        })
+    }
+
+    pub fn context(&self) -> GenContext<'_> {
+        GenContext {
+            decoder: &self.decoder,
+            tokenizer: &self.tokenizer,
+            eos: &self.eos_ids,
+        }
+    }
+
+    /// A prefilled prefix for `ids`, reusing the longest cached common prefix.
+    pub fn prefix_for(&mut self, ids: &[u32]) -> Result<Prefix, RuntimeError> {
+        let best = self
+            .prefixes
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i, common_len(p.ids(), ids)))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(_, n)| n);
+        let prefix = match best {
+            Some((i, n)) => {
+                let mut p = self.prefixes.remove(i);
+                let reuse = p.clone();
+                self.prefixes.push(reuse);
+                if n < p.len() {
+                    p.truncate(&self.decoder, n)?;
+                }
+                if n < ids.len() {
+                    p.extend(&self.decoder, &ids[n..])?;
+                }
+                p
+            }
+            None => Prefix::new(&self.decoder, ids)?,
+        };
+        self.prefixes.push(prefix.clone());
+        while self.prefixes.len() > PREFIX_SLOTS {
+            self.prefixes.remove(0);
+        }
+        Ok(prefix)
+    }
+
+    /// Generate for several different prompts in one padded batch.
+    pub fn generate_many(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        cancel: &CancelToken,
+    ) -> Result<Vec<Generation>, RuntimeError> {
+        Ok(generate_batch(self.context(), prompts, params, None, cancel)?
+            .into_iter()
+            .map(|(g, _)| g)
+            .collect())
+    }
+}
+
+fn common_len(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl LanguageModel for LocalModel {
+    fn info(&self) -> ModelInfo {
+        ModelInfo {
+            path: self.path.display().to_string(),
+            hash: self.hash.clone(),
+            architecture: format!("{:?}", self.decoder.cfg.family).to_lowercase(),
+            device: describe(&self.decoder.device),
+            dtype: format!("{:?}", self.decoder.dtype).to_lowercase(),
+            parameters: self.decoder.cfg.parameter_count(),
+        }
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[Message],
+        tools: &[Value],
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+    ) -> Result<String, RuntimeError> {
+        self.template.render(messages, tools, add_generation_prompt, enable_thinking)
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
+        self.tokenizer.encode(text)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
+        self.tokenizer.decode(ids)
+    }
+
+    fn generate(
+        &mut self,
+        prompt_ids: &[u32],
+        n: usize,
+        params: &SamplingParams,
+        stream: Option<StreamSink<'_>>,
+        cancel: &CancelToken,
+    ) -> Result<Vec<Generation>, RuntimeError> {
+        let mut prefix = self.prefix_for(prompt_ids)?;
+        let out = prefix.generate(self.context(), n, params, stream, cancel)?;
+        Ok(out.into_iter().map(|(g, _)| g).collect())
+    }
+}
