@@ -311,8 +311,35 @@ impl Meta<'_> {
     }
 }
 
-/// Load a GGUF file (llama, qwen2, qwen3 architectures).
+/// How to hold GGUF weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GgufOptions {
+    /// Requantize types without SIMD CPU kernels (Q4_1, Q5_x, Q8_1) to Q8_0.
+    pub requantize: bool,
+    /// Keep an f32 copy of each projection for prefill (when it fits the budget).
+    pub dense_prefill: bool,
+}
+
+impl Default for GgufOptions {
+    fn default() -> Self {
+        Self {
+            requantize: true,
+            dense_prefill: true,
+        }
+    }
+}
+
+/// Load a GGUF file (llama, qwen2, qwen3 architectures) with the fast defaults.
 pub fn load_gguf(path: &Path, device: &Device) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
+    load_gguf_with(path, device, GgufOptions::default())
+}
+
+/// Load a GGUF file with explicit options.
+pub fn load_gguf_with(
+    path: &Path,
+    device: &Device,
+    opts: GgufOptions,
+) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
     let mut f = std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
     let ct = gguf_file::Content::read(&mut f)
         .map_err(|e| file_err(path, format!("not a valid GGUF file: {e}")))?;
@@ -390,12 +417,14 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<(Decoder, gguf_file::Co
             .collect(),
     };
     let dense_bytes = cfg.parameter_count() * 4;
-    let keep_dense = device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
+    let keep_dense = opts.dense_prefill && device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
     let quant = |t: QTensor| -> Result<Linear, RuntimeError> {
         let dense = if keep_dense { Some(t.dequantize(device)?) } else { None };
         // Types whose CPU vec_dot is the scalar fallback are requantized to Q8_0.
         let t = match t.dtype() {
-            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1 if device.is_cpu() => {
+            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1
+                if opts.requantize && device.is_cpu() =>
+            {
                 let d = match &dense {
                     Some(d) => d.clone(),
                     None => t.dequantize(device)?,
