@@ -54,8 +54,9 @@ pub enum Weight {
     },
 }
 
-/// Rows above which a quantized projection uses its dense copy.
-const PREFILL_DENSE_ROWS: usize = 8;
+/// Rows above which a quantized projection uses its dense copy: candle's quantized matmul
+/// re-reads the weights for every row, gemm reads them once.
+const PREFILL_DENSE_ROWS: usize = 3;
 
 /// `y = x Wᵀ + b` (+ LoRA).
 #[derive(Debug, Clone)]
@@ -292,7 +293,7 @@ impl Attention {
         };
         let q = rope.apply(&q, offset, pass)?;
         let k = rope.apply(&k, offset, pass)?;
-        let (k, v) = cache.append(layer, &k, &v.contiguous()?)?;
+        let (k, v) = cache.append(layer, &k, &v.contiguous()?, pass == Pass::Infer)?;
         let s = k.dim(2)?;
         let groups = nh / nkv;
         // GQA without copying k/v: fold the query groups into the row dimension.

@@ -6,19 +6,65 @@ use candle_core::{Device, Tensor};
 
 type Result<T> = candle_core::Result<T>;
 
+/// One layer's keys and values, (batch, kv_heads, capacity, head_dim), of which the first
+/// `len` positions are valid. Inference appends in place into spare capacity; training appends
+/// with `Tensor::cat` so that gradients flow.
+#[derive(Debug)]
+struct LayerKv {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+impl LayerKv {
+    fn view(&self) -> Result<(Tensor, Tensor)> {
+        if self.len == self.k.dim(2)? {
+            Ok((self.k.clone(), self.v.clone()))
+        } else {
+            Ok((self.k.narrow(2, 0, self.len)?, self.v.narrow(2, 0, self.len)?))
+        }
+    }
+
+    /// A private copy of the valid positions (clones never share storage: in-place appends
+    /// into shared spare capacity would corrupt the other holder).
+    fn deep_copy(&self) -> Result<Self> {
+        let (k, v) = self.view()?;
+        Ok(Self {
+            k: k.copy()?,
+            v: v.copy()?,
+            len: self.len,
+        })
+    }
+}
+
 /// Per-layer keys and values, each (batch, kv_heads, seq, head_dim).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Option<LayerKv>>,
     seq_len: usize,
     /// Left padding per row (masked keys).
     pad: Vec<usize>,
 }
 
+impl Clone for KvCache {
+    fn clone(&self) -> Self {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| l.as_ref().and_then(|l| l.deep_copy().ok()))
+            .collect();
+        Self {
+            layers,
+            seq_len: self.seq_len,
+            pad: self.pad.clone(),
+        }
+    }
+}
+
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
-            layers: vec![None; num_layers],
+            layers: (0..num_layers).map(|_| None).collect(),
             seq_len: 0,
             pad: Vec::new(),
         }
@@ -27,7 +73,7 @@ impl KvCache {
     /// A cache for a left-padded batch: row `r` starts with `pad[r]` padding tokens.
     pub fn with_padding(num_layers: usize, pad: Vec<usize>) -> Self {
         Self {
-            layers: vec![None; num_layers],
+            layers: (0..num_layers).map(|_| None).collect(),
             seq_len: 0,
             pad,
         }
@@ -44,7 +90,7 @@ impl KvCache {
 
     pub fn batch_size(&self) -> usize {
         match self.layers.first() {
-            Some(Some((k, _))) => k.dim(0).unwrap_or(0),
+            Some(Some(l)) => l.k.dim(0).unwrap_or(0),
             _ => self.pad.len(),
         }
     }
@@ -54,19 +100,66 @@ impl KvCache {
         if self.pad.len() == b { &self.pad } else { &[] }
     }
 
-    /// Append new keys/values for `layer`; returns the full keys/values. Uses `Tensor::cat`,
-    /// which is differentiable (candle's `KvCache::append` is not).
-    pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Append new keys/values for `layer`; returns the full keys/values. With `in_place`
+    /// (inference) the new positions are written into spare capacity (grown by doubling);
+    /// otherwise `Tensor::cat` is used, which is differentiable (candle's `KvCache::append` is
+    /// not).
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+        in_place: bool,
+    ) -> Result<(Tensor, Tensor)> {
         let slot = self
             .layers
             .get_mut(layer)
             .ok_or_else(|| candle_core::Error::Msg(format!("kv cache has no layer {layer}")))?;
-        let (k, v) = match slot.take() {
-            None => (k.clone(), v.clone()),
-            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 2)?, Tensor::cat(&[&pv, v], 2)?),
+        let l = k.dim(2)?;
+        let next = match slot.take() {
+            None => LayerKv {
+                k: k.contiguous()?,
+                v: v.contiguous()?,
+                len: l,
+            },
+            Some(prev) if !in_place => {
+                let (pk, pv) = prev.view()?;
+                LayerKv {
+                    k: Tensor::cat(&[&pk, k], 2)?,
+                    v: Tensor::cat(&[&pv, v], 2)?,
+                    len: prev.len + l,
+                }
+            }
+            Some(prev) => {
+                let cap = prev.k.dim(2)?;
+                let need = prev.len + l;
+                let prev = if need > cap {
+                    let new_cap = (cap * 2).max(need).max(64);
+                    let (b, h, _, d) = prev.k.dims4()?;
+                    let nk = Tensor::zeros((b, h, new_cap, d), prev.k.dtype(), prev.k.device())?;
+                    let nv = Tensor::zeros((b, h, new_cap, d), prev.v.dtype(), prev.v.device())?;
+                    let (pk, pv) = prev.view()?;
+                    nk.slice_set(&pk.contiguous()?, 2, 0)?;
+                    nv.slice_set(&pv.contiguous()?, 2, 0)?;
+                    LayerKv {
+                        k: nk,
+                        v: nv,
+                        len: prev.len,
+                    }
+                } else {
+                    prev
+                };
+                prev.k.slice_set(&k.contiguous()?, 2, prev.len)?;
+                prev.v.slice_set(&v.contiguous()?, 2, prev.len)?;
+                LayerKv {
+                    len: need,
+                    ..prev
+                }
+            }
         };
-        *slot = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        let out = next.view()?;
+        *slot = Some(next);
+        Ok(out)
     }
 
     pub(crate) fn advance(&mut self, l: usize) {
@@ -85,10 +178,14 @@ impl KvCache {
             .iter()
             .map(|l| match l {
                 None => Ok(None),
-                Some((k, v)) => Ok(Some((
-                    k.index_select(&idx, 0)?.contiguous()?,
-                    v.index_select(&idx, 0)?.contiguous()?,
-                ))),
+                Some(l) => {
+                    let (k, v) = l.view()?;
+                    Ok(Some(LayerKv {
+                        k: k.contiguous()?.index_select(&idx, 0)?,
+                        v: v.contiguous()?.index_select(&idx, 0)?,
+                        len: l.len,
+                    }))
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         let pad = if self.pad.is_empty() {
@@ -114,12 +211,10 @@ impl KvCache {
             return Ok(());
         }
         for l in self.layers.iter_mut() {
-            if let Some((k, v)) = l.take() {
-                *l = if len == 0 {
-                    None
-                } else {
-                    Some((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))
-                };
+            if len == 0 {
+                *l = None;
+            } else if let Some(kv) = l.as_mut() {
+                kv.len = len;
             }
         }
         self.seq_len = len;
@@ -131,7 +226,7 @@ impl KvCache {
         self.layers
             .iter()
             .flatten()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .map(|l| (l.k.elem_count() + l.v.elem_count()) * l.k.dtype().size_in_bytes())
             .sum()
     }
 }
