@@ -7,7 +7,11 @@ use clap::{Args, Parser, Subcommand};
 use envace::runtime::DeviceChoice;
 
 #[derive(Debug, Parser)]
-#[command(name = "envace", version, about = "Train and inspect tool-using LLM agents the EnvACE way")]
+#[command(
+    name = "envace",
+    version,
+    about = "Train and inspect tool-using LLM agents the EnvACE way"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,

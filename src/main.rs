@@ -33,8 +33,8 @@ fn main() -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let mut model =
-        LocalModel::load(&a.model, a.device).with_context(|| format!("loading {}", a.model.display()))?;
+    let mut model = LocalModel::load(&a.model, a.device)
+        .with_context(|| format!("loading {}", a.model.display()))?;
     let prompt = if a.raw {
         a.prompt.clone()
     } else {
@@ -91,7 +91,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
         println!("{obj}");
     } else if a.branches > 1 {
         for (i, g) in gens.iter().enumerate() {
-            println!("--- branch {i} ({} tokens) ---\n{}", g.response_ids.len(), g.text);
+            println!(
+                "--- branch {i} ({} tokens) ---\n{}",
+                g.response_ids.len(),
+                g.text
+            );
         }
     }
     Ok(())

@@ -1,6 +1,8 @@
 //! The model runtime against candle-transformers' stock models, on seeded tiny checkpoints of
 //! every family, and on the real SmolLM2-135M-Instruct GGUF fetched by scripts/fetch-fixtures.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -31,7 +33,16 @@ fn weights_as_vb(cfg: &DecoderConfig, seed: u64) -> (HashMap<String, Tensor>, Va
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 /// Last-position logits of the stock candle-transformers model on the same weights.
@@ -109,7 +120,10 @@ fn decoder_matches_stock_models_in_both_passes() {
     for family in FAMILIES {
         let cfg = tiny_config(family);
         let (w, vb) = weights_as_vb(&cfg, 11);
-        let tensors = w.into_iter().map(|(k, v)| (k, (v, PathBuf::from("mem")))).collect();
+        let tensors = w
+            .into_iter()
+            .map(|(k, v)| (k, (v, PathBuf::from("mem"))))
+            .collect();
         let dec = build_dense(&cfg, tensors, DType::F32, &Device::Cpu, None).unwrap();
         for len in [1usize, 7, 23] {
             let ids: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 5) % 256).collect();
@@ -132,11 +146,17 @@ fn all_position_logits_match_incremental_last_logits() {
         let ids: Vec<u32> = (0..12u32).map(|i| (i * 13 + 1) % 256).collect();
         let t = Tensor::from_vec(ids.clone(), (1, 12), &Device::Cpu).unwrap();
         let mut cache = m.decoder.new_cache();
-        let all = m.decoder.forward(&t, &mut cache, Pass::Train, LogitsAt::All).unwrap();
+        let all = m
+            .decoder
+            .forward(&t, &mut cache, Pass::Train, LogitsAt::All)
+            .unwrap();
         let mut inc = m.decoder.new_cache();
         for (i, id) in ids.iter().enumerate() {
             let one = Tensor::from_vec(vec![*id], (1, 1), &Device::Cpu).unwrap();
-            let last = m.decoder.forward(&one, &mut inc, Pass::Infer, LogitsAt::Last).unwrap();
+            let last = m
+                .decoder
+                .forward(&one, &mut inc, Pass::Infer, LogitsAt::Last)
+                .unwrap();
             let row = all.narrow(1, i, 1).unwrap().squeeze(1).unwrap();
             let d = max_abs_diff(&row, &last);
             assert!(d < 1e-4, "{family:?} pos {i}: {d}");
@@ -156,22 +176,35 @@ fn training_pass_gradient_reaches_every_weight() {
         let inp = Tensor::from_vec(ids[..9].to_vec(), (1, 9), &Device::Cpu).unwrap();
         let tgt = Tensor::from_vec(ids[1..].to_vec(), 9, &Device::Cpu).unwrap();
         let mut cache = dec.new_cache();
-        let logits = dec.forward(&inp, &mut cache, Pass::Train, LogitsAt::All).unwrap();
+        let logits = dec
+            .forward(&inp, &mut cache, Pass::Train, LogitsAt::All)
+            .unwrap();
         let logits = logits.squeeze(0).unwrap();
         let loss = candle_nn::loss::cross_entropy(&logits, &tgt).unwrap();
         let grads = loss.backward().unwrap();
         let vars = vm.data().lock().unwrap();
         assert!(vars.len() > 10);
         for (name, var) in vars.iter() {
-            let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{family:?}: no gradient for {name}"));
-            let n = g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{family:?}: no gradient for {name}"));
+            let n = g
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
             assert!(n > 0.0, "{family:?}: zero gradient for {name}");
         }
     }
 }
 
 fn greedy(max: usize) -> SamplingParams {
-    SamplingParams { max_tokens: max, ..Default::default() }
+    SamplingParams {
+        max_tokens: max,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -182,7 +215,13 @@ fn greedy_decoding_is_deterministic_and_seeded_sampling_repeats() {
     let a = m.generate(&ids, 1, &greedy(20), None, &c).unwrap();
     let b = m.generate(&ids, 1, &greedy(20), None, &c).unwrap();
     assert_eq!(a[0].response_ids, b[0].response_ids);
-    let p = SamplingParams { temperature: 1.0, top_p: Some(0.95), seed: 42, max_tokens: 20, ..Default::default() };
+    let p = SamplingParams {
+        temperature: 1.0,
+        top_p: Some(0.95),
+        seed: 42,
+        max_tokens: 20,
+        ..Default::default()
+    };
     let x = m.generate(&ids, 1, &p, None, &c).unwrap();
     let y = m.generate(&ids, 1, &p, None, &c).unwrap();
     assert_eq!(x[0].response_ids, y[0].response_ids);
@@ -204,8 +243,13 @@ fn batched_ragged_prompts_equal_single_runs() {
         let batched = generate_batch(m.context(), &prompts, &greedy(16), None, &c).unwrap();
         for (p, (g, _)) in prompts.iter().zip(&batched) {
             let mut single = Prefix::new(&m.decoder, p).unwrap();
-            let s = single.generate(m.context(), 1, &greedy(16), None, &c).unwrap();
-            assert_eq!(s[0].0.response_ids, g.response_ids, "{family:?} prompt {p:?}");
+            let s = single
+                .generate(m.context(), 1, &greedy(16), None, &c)
+                .unwrap();
+            assert_eq!(
+                s[0].0.response_ids, g.response_ids,
+                "{family:?} prompt {p:?}"
+            );
         }
     }
 }
@@ -219,15 +263,28 @@ fn branches_share_the_prefill_and_equal_independent_runs() {
         let mut p = Prefix::new(&m.decoder, &ids).unwrap();
         let branches = p.generate(m.context(), 4, &greedy(12), None, &c).unwrap();
         let mut alone = Prefix::new(&m.decoder, &ids).unwrap();
-        let one = alone.generate(m.context(), 1, &greedy(12), None, &c).unwrap();
+        let one = alone
+            .generate(m.context(), 1, &greedy(12), None, &c)
+            .unwrap();
         for (g, _) in &branches {
             assert_eq!(g.response_ids, one[0].0.response_ids, "{family:?}");
         }
         // Sampled branches differ from each other (seeds seed+i).
-        let s = SamplingParams { temperature: 1.5, max_tokens: 12, seed: 1, ..Default::default() };
+        let s = SamplingParams {
+            temperature: 1.5,
+            max_tokens: 12,
+            seed: 1,
+            ..Default::default()
+        };
         let sampled = p.generate(m.context(), 4, &s, None, &c).unwrap();
-        let distinct: std::collections::HashSet<_> = sampled.iter().map(|(g, _)| g.response_ids.clone()).collect();
-        assert!(distinct.len() > 1, "{family:?}: sampled branches all identical");
+        let distinct: std::collections::HashSet<_> = sampled
+            .iter()
+            .map(|(g, _)| g.response_ids.clone())
+            .collect();
+        assert!(
+            distinct.len() > 1,
+            "{family:?}: sampled branches all identical"
+        );
     }
 }
 
@@ -237,22 +294,35 @@ fn a_branch_can_be_continued_and_forked_again_from_any_position() {
     let c = CancelToken::new();
     let ids = m.tokenizer.encode("fork me").unwrap();
     let mut root = Prefix::new(&m.decoder, &ids).unwrap();
-    let s = SamplingParams { temperature: 1.0, max_tokens: 10, seed: 3, ..Default::default() };
+    let s = SamplingParams {
+        temperature: 1.0,
+        max_tokens: 10,
+        seed: 3,
+        ..Default::default()
+    };
     let mut branches = root.generate(m.context(), 3, &s, None, &c).unwrap();
     let (_, mut branch) = branches.remove(1);
     let full = branch.ids().to_vec();
     // Continue the branch.
-    let cont = branch.generate(m.context(), 2, &greedy(8), None, &c).unwrap();
+    let cont = branch
+        .generate(m.context(), 2, &greedy(8), None, &c)
+        .unwrap();
     let mut fresh = Prefix::new(&m.decoder, &full).unwrap();
-    let want = fresh.generate(m.context(), 1, &greedy(8), None, &c).unwrap();
+    let want = fresh
+        .generate(m.context(), 1, &greedy(8), None, &c)
+        .unwrap();
     assert_eq!(cont[0].0.response_ids, want[0].0.response_ids);
     assert_eq!(cont[1].0.response_ids, want[0].0.response_ids);
     // Fork from an earlier position of the branch.
     let cut = ids.len() + 4;
     branch.truncate(&m.decoder, cut).unwrap();
-    let forked = branch.generate(m.context(), 1, &greedy(8), None, &c).unwrap();
+    let forked = branch
+        .generate(m.context(), 1, &greedy(8), None, &c)
+        .unwrap();
     let mut fresh = Prefix::new(&m.decoder, &full[..cut]).unwrap();
-    let want = fresh.generate(m.context(), 1, &greedy(8), None, &c).unwrap();
+    let want = fresh
+        .generate(m.context(), 1, &greedy(8), None, &c)
+        .unwrap();
     assert_eq!(forked[0].0.response_ids, want[0].0.response_ids);
 }
 
@@ -268,12 +338,18 @@ fn stop_strings_max_tokens_streaming_and_cancellation() {
     // Streaming: the chunks concatenate to the final text.
     let mut chunks = String::new();
     let mut sink = |_b: usize, s: &str| chunks.push_str(s);
-    let g = m.generate(&ids, 1, &greedy(30), Some(&mut sink), &c).unwrap();
+    let g = m
+        .generate(&ids, 1, &greedy(30), Some(&mut sink), &c)
+        .unwrap();
     assert_eq!(chunks, g[0].text);
     // A stop string taken from the greedy text ends generation right after it.
     let text = g[0].text.clone();
     if let Some(stop) = text.get(2..4).filter(|s| !s.trim().is_empty()) {
-        let p = SamplingParams { max_tokens: 30, stop: vec![stop.to_string()], ..Default::default() };
+        let p = SamplingParams {
+            max_tokens: 30,
+            stop: vec![stop.to_string()],
+            ..Default::default()
+        };
         let s = m.generate(&ids, 1, &p, None, &c).unwrap();
         assert_eq!(s[0].finish, FinishReason::Stop(stop.to_string()));
         assert!(s[0].text.ends_with(stop));
@@ -281,18 +357,26 @@ fn stop_strings_max_tokens_streaming_and_cancellation() {
     let cancel = CancelToken::new();
     cancel.cancel();
     let g = m.generate(&ids, 2, &greedy(30), None, &cancel).unwrap();
-    assert!(g.iter().all(|g| g.finish == FinishReason::Cancelled && g.response_ids.is_empty()));
+    assert!(
+        g.iter()
+            .all(|g| g.finish == FinishReason::Cancelled && g.response_ids.is_empty())
+    );
 }
 
 #[test]
 fn chat_template_renders_tools_and_tool_calls_like_hf() {
     let (_d, m) = tiny(Family::Qwen2, 1);
-    let tools = vec![json!({"type": "function", "function": {"name": "get_balance", "description": "Balance <of> an account & more", "parameters": {"type": "object", "properties": {"account": {"type": "string"}}, "required": ["account"]}}})];
+    let tools = vec![
+        json!({"type": "function", "function": {"name": "get_balance", "description": "Balance <of> an account & more", "parameters": {"type": "object", "properties": {"account": {"type": "string"}}, "required": ["account"]}}}),
+    ];
     let mut asst = Message::assistant("");
     asst.tool_calls.push(MessageToolCall {
         id: "c1".into(),
         kind: "function".into(),
-        function: ToolCall { name: "get_balance".into(), arguments: json!({"account": "acc_1"}) },
+        function: ToolCall {
+            name: "get_balance".into(),
+            arguments: json!({"account": "acc_1"}),
+        },
     });
     let msgs = vec![
         Message::system("You are a bank agent."),
@@ -305,24 +389,43 @@ fn chat_template_renders_tools_and_tool_calls_like_hf() {
     // HF tojson: no HTML escaping, insertion order, python separators.
     assert!(out.contains(r#"{"type": "function", "function": {"name": "get_balance", "description": "Balance <of> an account & more""#));
     assert!(out.contains("<tool_call>\n{\"name\": \"get_balance\", \"arguments\": {\"account\": \"acc_1\"}}\n</tool_call><|im_end|>"));
-    assert!(out.contains("<|im_start|>user\n<tool_response>\n{\"balance\": 40}\n</tool_response><|im_end|>\n"));
+    assert!(out.contains(
+        "<|im_start|>user\n<tool_response>\n{\"balance\": 40}\n</tool_response><|im_end|>\n"
+    ));
     assert!(out.ends_with("<|im_start|>assistant\n"));
 }
 
 fn smollm2() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.is_file(), "fixture {} is missing: run scripts/fetch-fixtures", p.display());
+    let p =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "fixture {} is missing: run scripts/fetch-fixtures",
+        p.display()
+    );
     p
 }
 
 #[test]
 fn smollm2_gguf_answers_paris_and_its_template_renders() {
     let mut m = LocalModel::load_on(&smollm2(), &Device::Cpu, None).unwrap();
-    let prompt = m.render_chat(&[Message::user("What is the capital of France?")], &[], true, false).unwrap();
-    assert!(prompt.contains("<|im_start|>user\nWhat is the capital of France?<|im_end|>"), "{prompt}");
+    let prompt = m
+        .render_chat(
+            &[Message::user("What is the capital of France?")],
+            &[],
+            true,
+            false,
+        )
+        .unwrap();
+    assert!(
+        prompt.contains("<|im_start|>user\nWhat is the capital of France?<|im_end|>"),
+        "{prompt}"
+    );
     assert!(prompt.ends_with("<|im_start|>assistant\n"));
     let ids = m.encode(&prompt).unwrap();
-    let g = m.generate(&ids, 1, &greedy(24), None, &CancelToken::new()).unwrap();
+    let g = m
+        .generate(&ids, 1, &greedy(24), None, &CancelToken::new())
+        .unwrap();
     assert!(g[0].text.contains("Paris"), "{}", g[0].text);
     assert_eq!(g[0].finish, FinishReason::Eos);
 }
@@ -331,7 +434,15 @@ fn smollm2_gguf_answers_paris_and_its_template_renders() {
 fn smollm2_decoder_matches_stock_quantized_llama() {
     use candle_transformers::models::quantized_llama::ModelWeights;
     let path = smollm2();
-    let (dec, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions { requantize: false, dense_prefill: false }).unwrap();
+    let (dec, _) = load_gguf_with(
+        &path,
+        &Device::Cpu,
+        GgufOptions {
+            requantize: false,
+            dense_prefill: false,
+        },
+    )
+    .unwrap();
     let mut f = std::fs::File::open(&path).unwrap();
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
     let mut stock = ModelWeights::from_gguf(ct, &mut f, &Device::Cpu).unwrap();
@@ -339,13 +450,17 @@ fn smollm2_decoder_matches_stock_quantized_llama() {
     let t = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
     let want = stock.forward(&t, 0).unwrap();
     let mut cache = dec.new_cache();
-    let got = dec.forward(&t, &mut cache, Pass::Infer, LogitsAt::Last).unwrap();
+    let got = dec
+        .forward(&t, &mut cache, Pass::Infer, LogitsAt::Last)
+        .unwrap();
     let d = max_abs_diff(&got, &want);
     assert!(d < 1e-2, "max abs diff {d}");
     // The fast path (Q8_0 requantization, f32 prefill) keeps the same top token.
     let (fast, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
     let mut cache = fast.new_cache();
-    let f = fast.forward(&t, &mut cache, Pass::Infer, LogitsAt::Last).unwrap();
+    let f = fast
+        .forward(&t, &mut cache, Pass::Infer, LogitsAt::Last)
+        .unwrap();
     assert_eq!(
         f.argmax(1).unwrap().to_vec1::<u32>().unwrap(),
         want.argmax(1).unwrap().to_vec1::<u32>().unwrap()

@@ -45,17 +45,42 @@ pub fn bench_prompt(model: &LocalModel, n: usize) -> Result<Vec<u32>, RuntimeErr
 }
 
 /// Run the generation benchmark.
-pub fn run(model: &LocalModel, prompt_tokens: usize, new_tokens: usize, runs: usize) -> Result<GenerateBench, RuntimeError> {
+pub fn run(
+    model: &LocalModel,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    runs: usize,
+) -> Result<GenerateBench, RuntimeError> {
     let cancel = CancelToken::new();
     // EOS disabled so that every run decodes exactly `new_tokens`.
-    let ctx = GenContext { eos: &[], ..model.context() };
+    let ctx = GenContext {
+        eos: &[],
+        ..model.context()
+    };
     let prompt = bench_prompt(model, prompt_tokens)?;
-    let greedy = SamplingParams { max_tokens: new_tokens, ..Default::default() };
-    let sampled = SamplingParams { temperature: 1.0, max_tokens: new_tokens, ..Default::default() };
-    let (mut prefill, mut decode, mut b8, mut ratio) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let greedy = SamplingParams {
+        max_tokens: new_tokens,
+        ..Default::default()
+    };
+    let sampled = SamplingParams {
+        temperature: 1.0,
+        max_tokens: new_tokens,
+        ..Default::default()
+    };
+    let (mut prefill, mut decode, mut b8, mut ratio) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // Warm-up (allocations, thread pool).
     let mut p = Prefix::new(&model.decoder, &prompt[..prompt.len().min(32)])?;
-    p.generate(ctx, 1, &SamplingParams { max_tokens: 4, ..Default::default() }, None, &cancel)?;
+    p.generate(
+        ctx,
+        1,
+        &SamplingParams {
+            max_tokens: 4,
+            ..Default::default()
+        },
+        None,
+        &cancel,
+    )?;
     for _ in 0..runs.max(1) {
         let t = Instant::now();
         let mut prefix = Prefix::new(&model.decoder, &prompt)?;

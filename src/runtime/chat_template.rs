@@ -138,7 +138,7 @@ impl ChatTemplate {
     /// The ChatML fallback.
     pub fn chatml() -> Self {
         let mut t = Self::new(CHATML_TOOLS_TEMPLATE, "", "<|im_end|>")
-            .unwrap_or_else(|e| unreachable_template(e));
+            .unwrap_or_else(unreachable_template);
         t.is_fallback = true;
         t
     }
@@ -151,7 +151,8 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         enable_thinking: bool,
     ) -> Result<String, RuntimeError> {
-        let msgs = serde_json::to_value(messages).map_err(|e| RuntimeError::Template(e.to_string()))?;
+        let msgs =
+            serde_json::to_value(messages).map_err(|e| RuntimeError::Template(e.to_string()))?;
         let tools_v = if tools.is_empty() {
             JValue::from(())
         } else {
@@ -193,7 +194,11 @@ pub fn from_tokenizer_config(v: &Value) -> Option<(String, String, String)> {
     let tok = |k: &str| -> String {
         match v.get(k) {
             Some(Value::String(s)) => s.clone(),
-            Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or("").to_string(),
+            Some(Value::Object(o)) => o
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string(),
             _ => String::new(),
         }
     };
@@ -203,7 +208,11 @@ pub fn from_tokenizer_config(v: &Value) -> Option<(String, String, String)> {
             let find = |name: &str| {
                 list.iter().find_map(|e| {
                     (e.get("name").and_then(Value::as_str) == Some(name))
-                        .then(|| e.get("template").and_then(Value::as_str).map(str::to_string))
+                        .then(|| {
+                            e.get("template")
+                                .and_then(Value::as_str)
+                                .map(str::to_string)
+                        })
                         .flatten()
                 })
             };

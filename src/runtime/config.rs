@@ -89,10 +89,13 @@ fn field_err(path: &Path, field: &str, message: impl Into<String>) -> RuntimeErr
 fn req_usize(v: &Value, path: &Path, field: &str) -> Result<usize, RuntimeError> {
     match v.get(field) {
         None | Some(Value::Null) => Err(field_err(path, field, "missing")),
-        Some(x) => x
-            .as_u64()
-            .map(|n| n as usize)
-            .ok_or_else(|| field_err(path, field, format!("expected a non-negative integer, got {x}"))),
+        Some(x) => x.as_u64().map(|n| n as usize).ok_or_else(|| {
+            field_err(
+                path,
+                field,
+                format!("expected a non-negative integer, got {x}"),
+            )
+        }),
     }
 }
 
@@ -127,7 +130,10 @@ fn opt_bool(v: &Value, path: &Path, field: &str) -> Result<Option<bool>, Runtime
 pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -156,14 +162,24 @@ impl DecoderConfig {
         let arch = match v.get("architectures") {
             Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or("").to_string(),
             Some(other) => {
-                return Err(field_err(path, "architectures", format!("expected a non-empty list, got {other}")));
+                return Err(field_err(
+                    path,
+                    "architectures",
+                    format!("expected a non-empty list, got {other}"),
+                ));
             }
             None => match v.get("model_type").and_then(Value::as_str) {
                 Some("llama") => "LlamaForCausalLM".into(),
                 Some("qwen2") => "Qwen2ForCausalLM".into(),
                 Some("qwen3") => "Qwen3ForCausalLM".into(),
                 Some(other) => other.to_string(),
-                None => return Err(field_err(path, "architectures", "missing (and no `model_type`)")),
+                None => {
+                    return Err(field_err(
+                        path,
+                        "architectures",
+                        "missing (and no `model_type`)",
+                    ));
+                }
             },
         };
         let family = Family::SUPPORTED
@@ -186,20 +202,34 @@ impl DecoderConfig {
             return Err(field_err(
                 path,
                 "num_key_value_heads",
-                format!("{num_key_value_heads} does not divide num_attention_heads {num_attention_heads}"),
+                format!(
+                    "{num_key_value_heads} does not divide num_attention_heads {num_attention_heads}"
+                ),
             ));
         }
         let head_dim = opt_usize(v, path, "head_dim")?.unwrap_or(hidden_size / num_attention_heads);
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(field_err(path, "head_dim", format!("must be even and > 0, got {head_dim}")));
+            return Err(field_err(
+                path,
+                "head_dim",
+                format!("must be even and > 0, got {head_dim}"),
+            ));
         }
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
             && act != "silu"
         {
-            return Err(field_err(path, "hidden_act", format!("only `silu` is supported, got `{act}`")));
+            return Err(field_err(
+                path,
+                "hidden_act",
+                format!("only `silu` is supported, got `{act}`"),
+            ));
         }
         if opt_bool(v, path, "use_sliding_window")?.unwrap_or(false) {
-            return Err(field_err(path, "use_sliding_window", "sliding-window attention is not supported"));
+            return Err(field_err(
+                path,
+                "use_sliding_window",
+                "sliding-window attention is not supported",
+            ));
         }
         if opt_bool(v, path, "mlp_bias")?.unwrap_or(false) {
             return Err(field_err(path, "mlp_bias", "MLP biases are not supported"));
@@ -218,14 +248,20 @@ impl DecoderConfig {
                         let p = Path::new(path);
                         let sub = |f: &str| {
                             rs.get(f).and_then(Value::as_f64).ok_or_else(|| {
-                                field_err(p, &format!("rope_scaling.{f}"), "missing or not a number")
+                                field_err(
+                                    p,
+                                    &format!("rope_scaling.{f}"),
+                                    "missing or not a number",
+                                )
                             })
                         };
                         Some(RopeScaling {
                             factor: sub("factor")?,
                             low_freq_factor: sub("low_freq_factor")?,
                             high_freq_factor: sub("high_freq_factor")?,
-                            original_max_position_embeddings: sub("original_max_position_embeddings")?
+                            original_max_position_embeddings: sub(
+                                "original_max_position_embeddings",
+                            )?
                                 as usize,
                         })
                     }
@@ -257,7 +293,10 @@ impl DecoderConfig {
             qkv_bias: family == Family::Qwen2 || attention_bias,
             qk_norm: family == Family::Qwen3,
             rope_interleaved: false,
-            bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
+            bos_token_id: v
+                .get("bos_token_id")
+                .and_then(Value::as_u64)
+                .map(|x| x as u32),
             eos_token_ids: token_ids(v.get("eos_token_id")),
         })
     }

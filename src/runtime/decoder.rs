@@ -8,6 +8,7 @@
 //! - returns logits for every position when asked (the trainer needs them);
 //! - holds each projection either dense (safetensors, trainable, optionally LoRA-wrapped) or
 //!   quantized (GGUF via candle's `QMatMul`), with an f32 copy for prefill where it fits.
+//!
 //! Reference: HF `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
 
 use std::sync::Arc;
@@ -121,7 +122,9 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
         match pass {
-            Pass::Infer => candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32),
+            Pass::Infer => {
+                candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+            }
             Pass::Train => candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps as f32),
         }
     }
@@ -278,11 +281,27 @@ impl Attention {
         pass: Pass,
     ) -> Result<Tensor> {
         let (b, l, _) = x.dims3()?;
-        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let offset = cache.seq_len();
-        let q = self.q_proj.forward(x)?.reshape((b, l, nh, hd))?.transpose(1, 2)?;
-        let k = self.k_proj.forward(x)?.reshape((b, l, nkv, hd))?.transpose(1, 2)?;
-        let v = self.v_proj.forward(x)?.reshape((b, l, nkv, hd))?.transpose(1, 2)?;
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape((b, l, nh, hd))?
+            .transpose(1, 2)?;
+        let k = self
+            .k_proj
+            .forward(x)?
+            .reshape((b, l, nkv, hd))?
+            .transpose(1, 2)?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((b, l, nkv, hd))?
+            .transpose(1, 2)?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q.contiguous()?, pass)?,
             None => q,
@@ -359,17 +378,23 @@ impl Decoder {
         let offset = cache.seq_len();
         let mask = build_mask(b, l, offset, cache.pad(b), self.dtype, &self.device)?;
         let flat = ids.flatten_all()?;
-        let mut x = self
-            .embed
-            .weight
-            .index_select(&flat, 0)?
-            .reshape((b, l, self.cfg.hidden_size))?;
+        let mut x =
+            self.embed
+                .weight
+                .index_select(&flat, 0)?
+                .reshape((b, l, self.cfg.hidden_size))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let r = x.clone();
             let y = layer.input_layernorm.forward(&x, pass)?;
-            let y = layer
-                .self_attn
-                .forward(&y, &self.cfg, &self.rope, mask.as_ref(), cache, i, pass)?;
+            let y = layer.self_attn.forward(
+                &y,
+                &self.cfg,
+                &self.rope,
+                mask.as_ref(),
+                cache,
+                i,
+                pass,
+            )?;
             x = (r + y)?;
             let r = x.clone();
             let y = layer.post_attention_layernorm.forward(&x, pass)?;

@@ -113,28 +113,43 @@ pub fn tiny_config(family: Family) -> DecoderConfig {
 }
 
 /// Seeded random weights with HF names for `cfg`.
-pub fn random_weights(cfg: &DecoderConfig, seed: u64, std: f32) -> Result<HashMap<String, Tensor>, RuntimeError> {
+pub fn random_weights(
+    cfg: &DecoderConfig,
+    seed: u64,
+    std: f32,
+) -> Result<HashMap<String, Tensor>, RuntimeError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = HashMap::new();
-    let mut put = |name: String, shape: &[usize], center: f32, scale: f32| -> Result<(), RuntimeError> {
-        let n: usize = shape.iter().product();
-        // Uniform with the requested standard deviation.
-        let a = scale * 3f32.sqrt();
-        let data: Vec<f32> = (0..n).map(|_| center + rng.random_range(-a..a)).collect();
-        out.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
-        Ok(())
-    };
+    let mut put =
+        |name: String, shape: &[usize], center: f32, scale: f32| -> Result<(), RuntimeError> {
+            let n: usize = shape.iter().product();
+            // Uniform with the requested standard deviation.
+            let a = scale * 3f32.sqrt();
+            let data: Vec<f32> = (0..n).map(|_| center + rng.random_range(-a..a)).collect();
+            out.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
+            Ok(())
+        };
     let h = cfg.hidden_size;
     let (q, kv, im) = (
         cfg.num_attention_heads * cfg.head_dim,
         cfg.num_key_value_heads * cfg.head_dim,
         cfg.intermediate_size,
     );
-    put("model.embed_tokens.weight".into(), &[cfg.vocab_size, h], 0.0, std * 4.0)?;
+    put(
+        "model.embed_tokens.weight".into(),
+        &[cfg.vocab_size, h],
+        0.0,
+        std * 4.0,
+    )?;
     for i in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{i}");
         put(format!("{p}.input_layernorm.weight"), &[h], 1.0, 0.1)?;
-        put(format!("{p}.post_attention_layernorm.weight"), &[h], 1.0, 0.1)?;
+        put(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+            1.0,
+            0.1,
+        )?;
         put(format!("{p}.self_attn.q_proj.weight"), &[q, h], 0.0, std)?;
         put(format!("{p}.self_attn.k_proj.weight"), &[kv, h], 0.0, std)?;
         put(format!("{p}.self_attn.v_proj.weight"), &[kv, h], 0.0, std)?;
@@ -145,8 +160,18 @@ pub fn random_weights(cfg: &DecoderConfig, seed: u64, std: f32) -> Result<HashMa
             put(format!("{p}.self_attn.v_proj.bias"), &[kv], 0.0, std)?;
         }
         if cfg.qk_norm {
-            put(format!("{p}.self_attn.q_norm.weight"), &[cfg.head_dim], 1.0, 0.1)?;
-            put(format!("{p}.self_attn.k_norm.weight"), &[cfg.head_dim], 1.0, 0.1)?;
+            put(
+                format!("{p}.self_attn.q_norm.weight"),
+                &[cfg.head_dim],
+                1.0,
+                0.1,
+            )?;
+            put(
+                format!("{p}.self_attn.k_norm.weight"),
+                &[cfg.head_dim],
+                1.0,
+                0.1,
+            )?;
         }
         put(format!("{p}.mlp.gate_proj.weight"), &[im, h], 0.0, std)?;
         put(format!("{p}.mlp.up_proj.weight"), &[im, h], 0.0, std)?;
@@ -198,7 +223,11 @@ pub fn write_checkpoint(
 }
 
 /// A tiny seeded checkpoint of `family` (byte-level tokenizer, ChatML template).
-pub fn write_tiny_checkpoint(dir: &Path, family: Family, seed: u64) -> Result<DecoderConfig, RuntimeError> {
+pub fn write_tiny_checkpoint(
+    dir: &Path,
+    family: Family,
+    seed: u64,
+) -> Result<DecoderConfig, RuntimeError> {
     let cfg = tiny_config(family);
     let w = random_weights(&cfg, seed, 0.15)?;
     write_checkpoint(dir, &cfg, &w, &byte_level_tokenizer_json(&[]))?;

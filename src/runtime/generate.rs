@@ -5,7 +5,9 @@
 
 use candle_core::{Device, Tensor};
 
-use super::backend::{CancelToken, FinishReason, Generation, RuntimeError, SamplingParams, StreamSink};
+use super::backend::{
+    CancelToken, FinishReason, Generation, RuntimeError, SamplingParams, StreamSink,
+};
 use super::decoder::{Decoder, LogitsAt, Pass};
 use super::kv_cache::KvCache;
 use super::sampler::Sampler;
@@ -76,7 +78,9 @@ impl Prefix {
     /// Keep the first `len` tokens (len ≥ 1); the cache is cut, not recomputed.
     pub fn truncate(&mut self, decoder: &Decoder, len: usize) -> Result<(), RuntimeError> {
         if len == 0 {
-            return Err(RuntimeError::Generation("cannot truncate a prefix to zero tokens".into()));
+            return Err(RuntimeError::Generation(
+                "cannot truncate a prefix to zero tokens".into(),
+            ));
         }
         if len >= self.ids.len() {
             return Ok(());
@@ -237,12 +241,19 @@ fn decode_loop(
             if !full.ends_with('\u{FFFD}') {
                 let mut full = full;
                 let from = row.text.len().saturating_sub(max_stop);
-                let from = (0..=from).rev().find(|&i| full.is_char_boundary(i)).unwrap_or(0);
+                let from = (0..=from)
+                    .rev()
+                    .find(|&i| full.is_char_boundary(i))
+                    .unwrap_or(0);
                 let hit = params
                     .stop
                     .iter()
                     .filter(|s| !s.is_empty())
-                    .filter_map(|s| full[from..].find(s.as_str()).map(|p| (from + p + s.len(), s)))
+                    .filter_map(|s| {
+                        full[from..]
+                            .find(s.as_str())
+                            .map(|p| (from + p + s.len(), s))
+                    })
                     .min_by_key(|(end, _)| *end);
                 if let Some((end, s)) = hit {
                     full.truncate(end);

@@ -21,7 +21,10 @@ impl LayerKv {
         if self.len == self.k.dim(2)? {
             Ok((self.k.clone(), self.v.clone()))
         } else {
-            Ok((self.k.narrow(2, 0, self.len)?, self.v.narrow(2, 0, self.len)?))
+            Ok((
+                self.k.narrow(2, 0, self.len)?,
+                self.v.narrow(2, 0, self.len)?,
+            ))
         }
     }
 
@@ -151,10 +154,7 @@ impl KvCache {
                 };
                 prev.k.slice_set(&k.contiguous()?, 2, prev.len)?;
                 prev.v.slice_set(&v.contiguous()?, 2, prev.len)?;
-                LayerKv {
-                    len: need,
-                    ..prev
-                }
+                LayerKv { len: need, ..prev }
             }
         };
         let out = next.view()?;
@@ -191,7 +191,9 @@ impl KvCache {
         let pad = if self.pad.is_empty() {
             Vec::new()
         } else {
-            rows.iter().map(|&r| self.pad.get(r).copied().unwrap_or(0)).collect()
+            rows.iter()
+                .map(|&r| self.pad.get(r).copied().unwrap_or(0))
+                .collect()
         };
         Ok(Self {
             layers,

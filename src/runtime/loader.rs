@@ -42,7 +42,10 @@ impl CheckpointFiles {
     /// Locate the files of an HF checkpoint directory.
     pub fn locate(dir: &Path) -> Result<Self, RuntimeError> {
         if !dir.is_dir() {
-            return Err(file_err(dir, "not a directory (expected an HF checkpoint directory or a .gguf file)"));
+            return Err(file_err(
+                dir,
+                "not a directory (expected an HF checkpoint directory or a .gguf file)",
+            ));
         }
         let need = |name: &str| {
             let p = dir.join(name);
@@ -58,27 +61,41 @@ impl CheckpointFiles {
         let weights = if single.is_file() {
             vec![single]
         } else if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| file_err(&index, e.to_string()))?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| file_err(&index, format!("invalid JSON: {e}")))?;
-            let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| RuntimeError::Field {
-                path: index.display().to_string(),
-                field: "weight_map".into(),
-                message: "missing or not an object".into(),
-            })?;
-            let mut files: Vec<String> = map.values().filter_map(|x| x.as_str().map(str::to_string)).collect();
+            let text =
+                std::fs::read_to_string(&index).map_err(|e| file_err(&index, e.to_string()))?;
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| file_err(&index, format!("invalid JSON: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| RuntimeError::Field {
+                    path: index.display().to_string(),
+                    field: "weight_map".into(),
+                    message: "missing or not an object".into(),
+                })?;
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect();
             files.sort();
             files.dedup();
             let mut out = Vec::new();
             for f in files {
                 let p = dir.join(&f);
                 if !p.is_file() {
-                    return Err(file_err(&p, format!("missing (listed in {})", index.display())));
+                    return Err(file_err(
+                        &p,
+                        format!("missing (listed in {})", index.display()),
+                    ));
                 }
                 out.push(p);
             }
             out
         } else {
-            return Err(file_err(&single, "missing (and no model.safetensors.index.json for a sharded checkpoint)"));
+            return Err(file_err(
+                &single,
+                "missing (and no model.safetensors.index.json for a sharded checkpoint)",
+            ));
         };
         let opt = |name: &str| {
             let p = dir.join(name);
@@ -157,7 +174,9 @@ impl TensorSource<'_> {
 }
 
 /// Load the dense tensors of a checkpoint's weight files.
-pub fn read_safetensors(paths: &[PathBuf]) -> Result<HashMap<String, (Tensor, PathBuf)>, RuntimeError> {
+pub fn read_safetensors(
+    paths: &[PathBuf],
+) -> Result<HashMap<String, (Tensor, PathBuf)>, RuntimeError> {
     let mut out = HashMap::new();
     for p in paths {
         let bytes = std::fs::read(p).map_err(|e| file_err(p, format!("cannot read: {e}")))?;
@@ -293,21 +312,31 @@ struct Meta<'a> {
 impl Meta<'_> {
     fn get(&self, key: &str) -> Result<&gguf_file::Value, RuntimeError> {
         let full = format!("{}.{key}", self.arch);
-        self.ct.metadata.get(&full).ok_or_else(|| RuntimeError::Field {
-            path: self.path.display().to_string(),
-            field: full.clone(),
-            message: "missing GGUF metadata".into(),
-        })
+        self.ct
+            .metadata
+            .get(&full)
+            .ok_or_else(|| RuntimeError::Field {
+                path: self.path.display().to_string(),
+                field: full.clone(),
+                message: "missing GGUF metadata".into(),
+            })
     }
     fn u32(&self, key: &str) -> Result<usize, RuntimeError> {
-        self.get(key)?.to_u32().map(|x| x as usize).map_err(|e| RuntimeError::Field {
-            path: self.path.display().to_string(),
-            field: format!("{}.{key}", self.arch),
-            message: e.to_string(),
-        })
+        self.get(key)?
+            .to_u32()
+            .map(|x| x as usize)
+            .map_err(|e| RuntimeError::Field {
+                path: self.path.display().to_string(),
+                field: format!("{}.{key}", self.arch),
+                message: e.to_string(),
+            })
     }
     fn f32_or(&self, key: &str, default: f64) -> f64 {
-        self.get(key).ok().and_then(|v| v.to_f32().ok()).map(f64::from).unwrap_or(default)
+        self.get(key)
+            .ok()
+            .and_then(|v| v.to_f32().ok())
+            .map(f64::from)
+            .unwrap_or(default)
     }
 }
 
@@ -330,7 +359,10 @@ impl Default for GgufOptions {
 }
 
 /// Load a GGUF file (llama, qwen2, qwen3 architectures) with the fast defaults.
-pub fn load_gguf(path: &Path, device: &Device) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
+pub fn load_gguf(
+    path: &Path,
+    device: &Device,
+) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
     load_gguf_with(path, device, GgufOptions::default())
 }
 
@@ -340,7 +372,8 @@ pub fn load_gguf_with(
     device: &Device,
     opts: GgufOptions,
 ) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
-    let mut f = std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
+    let mut f =
+        std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
     let ct = gguf_file::Content::read(&mut f)
         .map_err(|e| file_err(path, format!("not a valid GGUF file: {e}")))?;
     let arch = ct
@@ -365,19 +398,26 @@ pub fn load_gguf_with(
             });
         }
     };
-    let meta = Meta { ct: &ct, path, arch: arch.clone() };
+    let meta = Meta {
+        ct: &ct,
+        path,
+        arch: arch.clone(),
+    };
     let hidden = meta.u32("embedding_length")?;
     let nh = meta.u32("attention.head_count")?;
     let nkv = meta.u32("attention.head_count_kv")?;
-    let head_dim = meta.u32("attention.key_length").unwrap_or(hidden / nh.max(1));
+    let head_dim = meta
+        .u32("attention.key_length")
+        .unwrap_or(hidden / nh.max(1));
     let layers_n = meta.u32("block_count")?;
     let ctx = meta.u32("context_length").unwrap_or(4096);
     let mut read = |name: &str| -> Result<QTensor, RuntimeError> {
-        ct.tensor(&mut f, name, device).map_err(|e| RuntimeError::Tensor {
-            path: path.display().to_string(),
-            name: name.into(),
-            message: format!("{e}"),
-        })
+        ct.tensor(&mut f, name, device)
+            .map_err(|e| RuntimeError::Tensor {
+                path: path.display().to_string(),
+                name: name.into(),
+                message: format!("{e}"),
+            })
     };
     let embed_q = read("token_embd.weight")?;
     let (vocab, emb_dim) = embed_q.shape().dims2()?;
@@ -385,7 +425,10 @@ pub fn load_gguf_with(
         return Err(RuntimeError::Tensor {
             path: path.display().to_string(),
             name: "token_embd.weight".into(),
-            message: format!("shape mismatch: expected [{vocab}, {hidden}], got {:?}", embed_q.shape().dims()),
+            message: format!(
+                "shape mismatch: expected [{vocab}, {hidden}], got {:?}",
+                embed_q.shape().dims()
+            ),
         });
     }
     let cfg = DecoderConfig {
@@ -417,9 +460,14 @@ pub fn load_gguf_with(
             .collect(),
     };
     let dense_bytes = cfg.parameter_count() * 4;
-    let keep_dense = opts.dense_prefill && device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
+    let keep_dense =
+        opts.dense_prefill && device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
     let quant = |t: QTensor| -> Result<Linear, RuntimeError> {
-        let dense = if keep_dense { Some(t.dequantize(device)?) } else { None };
+        let dense = if keep_dense {
+            Some(t.dequantize(device)?)
+        } else {
+            None
+        };
         // Types whose CPU vec_dot is the scalar fallback are requantized to Q8_0.
         let t = match t.dtype() {
             GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1
@@ -475,8 +523,19 @@ pub fn load_gguf_with(
         layers.push(Layer {
             input_layernorm: norm("attn_norm")?,
             post_attention_layernorm: norm("ffn_norm")?,
-            self_attn: Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm },
-            mlp: Mlp { gate_proj, up_proj, down_proj },
+            self_attn: Attention {
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
+                q_norm,
+                k_norm,
+            },
+            mlp: Mlp {
+                gate_proj,
+                up_proj,
+                down_proj,
+            },
         });
     }
     let norm = RmsNorm {

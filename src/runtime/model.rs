@@ -36,7 +36,9 @@ pub struct LocalModel {
 
 impl std::fmt::Debug for LocalModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalModel").field("path", &self.path).finish()
+        f.debug_struct("LocalModel")
+            .field("path", &self.path)
+            .finish()
     }
 }
 
@@ -59,7 +61,11 @@ impl LocalModel {
     }
 
     /// Load on a given device with an optional dtype override.
-    pub fn load_on(path: &Path, device: &Device, dtype: Option<DType>) -> Result<Self, RuntimeError> {
+    pub fn load_on(
+        path: &Path,
+        device: &Device,
+        dtype: Option<DType>,
+    ) -> Result<Self, RuntimeError> {
         if path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf") {
             return Self::load_gguf(path, device);
         }
@@ -84,13 +90,13 @@ impl LocalModel {
                     message: format!("invalid JSON: {e}"),
                 })?;
                 let t = match from_tokenizer_config(&v) {
-                    Some((src, bos, eos)) => ChatTemplate::new(&src, &bos, &eos).map_err(|e| {
-                        RuntimeError::Field {
+                    Some((src, bos, eos)) => {
+                        ChatTemplate::new(&src, &bos, &eos).map_err(|e| RuntimeError::Field {
                             path: p.display().to_string(),
                             field: "chat_template".into(),
                             message: e.to_string(),
-                        }
-                    })?,
+                        })?
+                    }
                     None => ChatTemplate::chatml(),
                 };
                 (t, Some(v))
@@ -106,7 +112,15 @@ impl LocalModel {
         let mut weights = files.weights.clone();
         weights.push(files.config.clone());
         let hash = hash_files(&weights)?;
-        Self::finish(decoder, tokenizer, template, eos_ids, path, hash, &files.tokenizer)
+        Self::finish(
+            decoder,
+            tokenizer,
+            template,
+            eos_ids,
+            path,
+            hash,
+            &files.tokenizer,
+        )
     }
 
     fn load_gguf(path: &Path, device: &Device) -> Result<Self, RuntimeError> {
@@ -126,7 +140,11 @@ impl LocalModel {
         };
         let bos = token_str("tokenizer.ggml.bos_token_id");
         let eos = token_str("tokenizer.ggml.eos_token_id");
-        let template = match ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()) {
+        let template = match ct
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+        {
             Some(src) => ChatTemplate::new(src, &bos, &eos).map_err(|e| RuntimeError::Field {
                 path: path.display().to_string(),
                 field: "tokenizer.chat_template".into(),
@@ -224,10 +242,12 @@ impl LocalModel {
         params: &SamplingParams,
         cancel: &CancelToken,
     ) -> Result<Vec<Generation>, RuntimeError> {
-        Ok(generate_batch(self.context(), prompts, params, None, cancel)?
-            .into_iter()
-            .map(|(g, _)| g)
-            .collect())
+        Ok(
+            generate_batch(self.context(), prompts, params, None, cancel)?
+                .into_iter()
+                .map(|(g, _)| g)
+                .collect(),
+        )
     }
 }
 
@@ -254,7 +274,8 @@ impl LanguageModel for LocalModel {
         add_generation_prompt: bool,
         enable_thinking: bool,
     ) -> Result<String, RuntimeError> {
-        self.template.render(messages, tools, add_generation_prompt, enable_thinking)
+        self.template
+            .render(messages, tools, add_generation_prompt, enable_thinking)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {

@@ -19,7 +19,12 @@ pub struct Sampler {
 /// log-softmax of one entry.
 fn logprob_of(logits: &[f32], idx: usize) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+    let lse = logits
+        .iter()
+        .map(|&x| ((x - max) as f64).exp())
+        .sum::<f64>()
+        .ln() as f32
+        + max;
     logits[idx] - lse
 }
 
