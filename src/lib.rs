@@ -4,3 +4,4 @@
 pub mod env;
 pub mod message;
 pub mod runtime;
+pub mod train;

@@ -1,0 +1,155 @@
+//! Checkpoints written atomically: everything goes into `NAME.tmp/`, then one rename makes it
+//! visible; a previous checkpoint of the same name is swapped out only after the new one is
+//! complete. A checkpoint holds an HF model directory (loadable by the runtime) plus, for
+//! resuming, `optimizer.safetensors` and `trainer_state.json` (step, RNG state, data order).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::runtime::config::DecoderConfig;
+use crate::runtime::fixture::tokenizer_config_json;
+
+/// Checkpoint errors name the directory and file.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    #[error("{path}: incomplete or corrupt checkpoint: {message}")]
+    Corrupt { path: String, message: String },
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// What a trainer needs to continue exactly where it stopped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub kind: String,
+    pub step: usize,
+    pub total_steps: usize,
+    pub seed: u64,
+    /// Opaque RNG / data-order state of the trainer.
+    pub rng: Value,
+    pub config: Value,
+    pub metrics: Value,
+}
+
+/// Write a checkpoint directory atomically.
+pub fn save(
+    dir: &Path,
+    cfg: &DecoderConfig,
+    weights: &HashMap<String, Tensor>,
+    tokenizer_json: &Path,
+    optimizer: Option<&HashMap<String, Tensor>>,
+    state: &TrainerState,
+) -> Result<(), CheckpointError> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| io(dir, "checkpoint path has no file name"))?
+        .to_string_lossy()
+        .to_string();
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    let tmp = parent.join(format!("{name}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    let write_json = |file: &str, v: &Value| -> Result<(), CheckpointError> {
+        let p = tmp.join(file);
+        let text = serde_json::to_string_pretty(v).map_err(|e| io(&p, e))?;
+        std::fs::write(&p, text).map_err(|e| io(&p, e))
+    };
+    write_json("config.json", &cfg.to_hf_json())?;
+    write_json(
+        "generation_config.json",
+        &serde_json::json!({"eos_token_id": cfg.eos_token_ids, "do_sample": false}),
+    )?;
+    let tc_src = tokenizer_json.with_file_name("tokenizer_config.json");
+    if tc_src.is_file() {
+        std::fs::copy(&tc_src, tmp.join("tokenizer_config.json")).map_err(|e| io(&tc_src, e))?;
+    } else {
+        write_json("tokenizer_config.json", &tokenizer_config_json())?;
+    }
+    std::fs::copy(tokenizer_json, tmp.join("tokenizer.json")).map_err(|e| io(tokenizer_json, e))?;
+    let cpu: HashMap<String, Tensor> = weights
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
+        .collect::<candle_core::Result<_>>()
+        .map_err(|e| io(dir, e))?;
+    candle_core::safetensors::save(&cpu, tmp.join("model.safetensors")).map_err(|e| io(&tmp, e))?;
+    if let Some(opt) = optimizer {
+        let cpu: HashMap<String, Tensor> = opt
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
+            .collect::<candle_core::Result<_>>()
+            .map_err(|e| io(dir, e))?;
+        candle_core::safetensors::save(&cpu, tmp.join("optimizer.safetensors")).map_err(|e| io(&tmp, e))?;
+    }
+    // trainer_state.json is written last: its presence marks a complete checkpoint.
+    write_json("trainer_state.json", &serde_json::to_value(state).map_err(|e| io(dir, e))?)?;
+    if dir.exists() {
+        let old = parent.join(format!("{name}.old"));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        }
+        std::fs::rename(dir, &old).map_err(|e| io(dir, e))?;
+        std::fs::rename(&tmp, dir).map_err(|e| io(dir, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+    } else {
+        std::fs::rename(&tmp, dir).map_err(|e| io(dir, e))?;
+    }
+    Ok(())
+}
+
+/// A checkpoint read back for resuming.
+#[derive(Debug)]
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainerState,
+    pub optimizer: HashMap<String, Tensor>,
+}
+
+/// Read and validate a checkpoint for resuming.
+pub fn load_for_resume(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
+    let corrupt = |m: String| CheckpointError::Corrupt {
+        path: dir.display().to_string(),
+        message: m,
+    };
+    let st = dir.join("trainer_state.json");
+    if !st.is_file() {
+        return Err(corrupt("trainer_state.json is missing (was the checkpoint interrupted?)".into()));
+    }
+    let text = std::fs::read_to_string(&st).map_err(|e| io(&st, e))?;
+    let state: TrainerState =
+        serde_json::from_str(&text).map_err(|e| corrupt(format!("trainer_state.json: {e}")))?;
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        if !dir.join(f).is_file() {
+            return Err(corrupt(format!("{f} is missing")));
+        }
+    }
+    let bytes = std::fs::read(dir.join("model.safetensors")).map_err(|e| io(dir, e))?;
+    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        .map_err(|e| corrupt(format!("model.safetensors: {e}")))?;
+    let op = dir.join("optimizer.safetensors");
+    let optimizer = if op.is_file() {
+        let bytes = std::fs::read(&op).map_err(|e| io(&op, e))?;
+        candle_core::safetensors::load_buffer(&bytes, device)
+            .map_err(|e| corrupt(format!("optimizer.safetensors: {e}")))?
+    } else {
+        HashMap::new()
+    };
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        state,
+        optimizer,
+    })
+}

@@ -1,0 +1,25 @@
+//! Training: the bundled model's tokenizer and supervised pretraining, role-wise GRPO on
+//! world-rehearsal rollouts, checkpoints and the metrics seam. Headless by design: the TUI's
+//! training tab drives the same code through [`metrics::MetricsSink`].
+
+pub mod checkpoint;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod sft;
+pub mod tokenizer;
+
+/// Training failures.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("data: {0}")]
+    Data(String),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    #[error(transparent)]
+    CheckpointIo(#[from] checkpoint::CheckpointError),
+    #[error(transparent)]
+    Runtime(#[from] crate::runtime::RuntimeError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}

@@ -1,0 +1,128 @@
+//! A decoder whose weights are `Var`s in a `VarMap` (HF names), ready for the optimizer, plus
+//! the masked token log-probabilities both SFT and GRPO are built on.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{D, DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::runtime::RuntimeError;
+use crate::runtime::config::DecoderConfig;
+use crate::runtime::decoder::{Decoder, LogitsAt, Pass};
+use crate::runtime::fixture::random_weights;
+use crate::runtime::loader::{CheckpointFiles, build_dense, load_hf};
+
+/// A trainable decoder.
+pub struct TrainableModel {
+    pub decoder: Decoder,
+    pub varmap: VarMap,
+    /// The checkpoint directory it came from (tokenizer files are copied from there).
+    pub source: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for TrainableModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainableModel").field("source", &self.source).finish()
+    }
+}
+
+impl TrainableModel {
+    /// Load an HF checkpoint directory with every weight trainable (f32).
+    pub fn load(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
+        let files = CheckpointFiles::locate(dir)?;
+        let varmap = VarMap::new();
+        let decoder = load_hf(&files, DType::F32, device, Some(&varmap))?;
+        Ok(Self {
+            decoder,
+            varmap,
+            source: Some(dir.to_path_buf()),
+        })
+    }
+
+    /// A freshly initialised model (seeded).
+    pub fn init(cfg: &DecoderConfig, seed: u64, device: &Device) -> Result<Self, RuntimeError> {
+        let w = random_weights(cfg, seed, 0.02)?;
+        let tensors = w.into_iter().map(|(k, v)| (k, (v, PathBuf::from("init")))).collect();
+        let varmap = VarMap::new();
+        let decoder = build_dense(cfg, tensors, DType::F32, device, Some(&varmap))?;
+        Ok(Self {
+            decoder,
+            varmap,
+            source: None,
+        })
+    }
+
+    /// Named trainable variables.
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        match self.varmap.data().lock() {
+            Ok(m) => m.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Current weights by HF name.
+    pub fn weights(&self) -> HashMap<String, Tensor> {
+        self.named_vars()
+            .into_iter()
+            .map(|(k, v)| (k, v.as_tensor().clone()))
+            .collect()
+    }
+}
+
+/// One training sequence: `mask[i]` weights the prediction of `ids[i]` from `ids[..i]`
+/// (0 on prompt, tool and user tokens).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub ids: Vec<u32>,
+    pub mask: Vec<f32>,
+}
+
+impl Example {
+    pub fn trained_tokens(&self) -> usize {
+        self.mask.iter().filter(|&&m| m > 0.0).count()
+    }
+
+    pub fn truncate(&mut self, max_len: usize) {
+        self.ids.truncate(max_len);
+        self.mask.truncate(max_len);
+    }
+}
+
+/// Right-padded batch: ids (B, T) and the shifted mask (B, T-1).
+pub fn batch_tensors(examples: &[&Example], device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(2).max(2);
+    let b = examples.len();
+    let mut ids = vec![0u32; b * t];
+    let mut mask = vec![0f32; b * (t - 1)];
+    for (r, e) in examples.iter().enumerate() {
+        ids[r * t..r * t + e.ids.len()].copy_from_slice(&e.ids);
+        for i in 1..e.ids.len() {
+            mask[r * (t - 1) + i - 1] = e.mask.get(i).copied().unwrap_or(0.0);
+        }
+    }
+    Ok((
+        Tensor::from_vec(ids, (b, t), device)?,
+        Tensor::from_vec(mask, (b, t - 1), device)?,
+    ))
+}
+
+/// Log-probability of each next token: (B, T-1), differentiable.
+pub fn token_logprobs(decoder: &Decoder, ids: &Tensor) -> candle_core::Result<Tensor> {
+    let (_, t) = ids.dims2()?;
+    let inp = ids.narrow(1, 0, t - 1)?;
+    let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
+    let mut cache = decoder.new_cache();
+    let logits = decoder.forward(&inp, &mut cache, Pass::Train, LogitsAt::All)?;
+    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    lp.gather(&tgt.unsqueeze(2)?, 2)?.squeeze(2)
+}
+
+/// Token-mean negative log-likelihood over the masked tokens, and the number of such tokens.
+pub fn masked_nll(decoder: &Decoder, examples: &[&Example]) -> candle_core::Result<(Tensor, f64)> {
+    let (ids, mask) = batch_tensors(examples, &decoder.device)?;
+    let lp = token_logprobs(decoder, &ids)?;
+    let n = mask.sum_all()?.to_scalar::<f32>()? as f64;
+    let loss = ((lp * &mask)?.sum_all()?.neg()? / n.max(1.0))?;
+    Ok((loss, n))
+}

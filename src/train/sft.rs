@@ -1,0 +1,217 @@
+//! Supervised training on masked sequences (actor turns and simulator turns of gold
+//! trajectories): token-mean NLL, AdamW, clipping, warmup + cosine, a deterministic data order
+//! derived from (seed, step) so that `--resume` continues bit-for-bit, atomic checkpoints.
+
+use std::path::Path;
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use serde::{Deserialize, Serialize};
+
+use super::checkpoint::{self, Loaded, TrainerState};
+use super::metrics::{MetricsSink, StepMetrics};
+use super::model::{Example, TrainableModel, masked_nll};
+use super::optim::{AdamW, AdamWConfig, schedule};
+use super::TrainError;
+use crate::runtime::CancelToken;
+
+/// SFT settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SftConfig {
+    pub steps: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub warmup: usize,
+    pub min_lr_ratio: f64,
+    pub weight_decay: f64,
+    pub grad_clip: f64,
+    pub seed: u64,
+    pub max_len: usize,
+    /// Write a checkpoint every N steps (0 = only at the end).
+    pub checkpoint_every: usize,
+    /// Stop early (with a final checkpoint) after this many seconds.
+    pub time_budget_s: Option<f64>,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        Self {
+            steps: 1000,
+            batch_size: 16,
+            lr: 2e-3,
+            warmup: 50,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            grad_clip: 1.0,
+            seed: 0,
+            max_len: 512,
+            checkpoint_every: 0,
+            time_budget_s: None,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct SftReport {
+    pub steps: usize,
+    pub first_loss: f64,
+    pub last_loss: f64,
+    pub tokens: f64,
+    pub seconds: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Example indices of `step`'s batch: epochs are seeded permutations, consumed in order.
+pub fn batch_indices(n: usize, batch: usize, seed: u64, step: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(batch);
+    if n == 0 {
+        return out;
+    }
+    let start = step * batch;
+    let mut epoch = start / n;
+    let mut perm = epoch_perm(n, seed, epoch);
+    for off in start..start + batch {
+        let e = off / n;
+        if e != epoch {
+            epoch = e;
+            perm = epoch_perm(n, seed, epoch);
+        }
+        out.push(perm[off % n]);
+    }
+    out
+}
+
+fn epoch_perm(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut p: Vec<usize> = (0..n).collect();
+    let mut rng = StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    p.shuffle(&mut rng);
+    p
+}
+
+/// Train. With `out`, checkpoints go to `out/checkpoint-STEP` and `out/final`; with `resume`,
+/// weights must already be loaded from the checkpoint and its optimizer state is restored.
+#[allow(clippy::too_many_arguments)]
+pub fn run_sft(
+    model: &TrainableModel,
+    examples: &[Example],
+    cfg: &SftConfig,
+    tokenizer_json: &Path,
+    out: Option<&Path>,
+    resume: Option<&Loaded>,
+    sink: &mut dyn MetricsSink,
+    cancel: &CancelToken,
+) -> Result<SftReport, TrainError> {
+    if examples.is_empty() {
+        return Err(TrainError::Data("no training examples".into()));
+    }
+    let examples: Vec<Example> = examples
+        .iter()
+        .map(|e| {
+            let mut e = e.clone();
+            e.truncate(cfg.max_len);
+            e
+        })
+        .filter(|e| e.trained_tokens() > 0)
+        .collect();
+    let mut opt = AdamW::new(
+        model.named_vars(),
+        AdamWConfig {
+            lr: cfg.lr,
+            weight_decay: cfg.weight_decay,
+            ..Default::default()
+        },
+    )?;
+    let mut start = 0;
+    if let Some(l) = resume {
+        opt.load_state(&l.optimizer, l.state.step)
+            .map_err(|m| TrainError::Checkpoint(format!("{}: {m}", l.dir.display())))?;
+        start = l.state.step;
+    }
+    let t0 = Instant::now();
+    let (mut first, mut last, mut tokens) = (f64::NAN, f64::NAN, 0f64);
+    let mut step = start;
+    while step < cfg.steps {
+        if cancel.is_cancelled() {
+            break;
+        }
+        if let Some(b) = cfg.time_budget_s
+            && t0.elapsed().as_secs_f64() > b
+        {
+            sink.log(&format!("time budget of {b:.0}s reached at step {step}"));
+            break;
+        }
+        let idx = batch_indices(examples.len(), cfg.batch_size, cfg.seed, step);
+        let batch: Vec<&Example> = idx.iter().map(|&i| &examples[i]).collect();
+        let (loss, n) = masked_nll(&model.decoder, &batch)?;
+        let grads = loss.backward()?;
+        let gn = opt.grad_norm(&grads)?;
+        let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip { cfg.grad_clip / gn } else { 1.0 };
+        let lr = schedule(cfg.lr, step, cfg.warmup, cfg.steps, cfg.min_lr_ratio);
+        opt.step(&grads, lr, scale)?;
+        let l = loss.to_scalar::<f32>()? as f64;
+        if first.is_nan() {
+            first = l;
+        }
+        last = l;
+        tokens += batch.iter().map(|e| e.ids.len() as f64).sum::<f64>();
+        step += 1;
+        let secs = t0.elapsed().as_secs_f64();
+        sink.record(
+            &StepMetrics::new("sft", step)
+                .with("loss", l)
+                .with("lr", lr)
+                .with("grad_norm", gn)
+                .with("trained_tokens", n)
+                .with("tokens_per_s", tokens / secs.max(1e-9)),
+        );
+        if let Some(dir) = out
+            && cfg.checkpoint_every > 0
+            && step % cfg.checkpoint_every == 0
+        {
+            save(model, &opt, cfg, tokenizer_json, &dir.join(format!("checkpoint-{step}")), step)?;
+        }
+    }
+    if let Some(dir) = out {
+        save(model, &opt, cfg, tokenizer_json, &dir.join("final"), step)?;
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(SftReport {
+        steps: step,
+        first_loss: first,
+        last_loss: last,
+        tokens,
+        seconds,
+        tokens_per_s: tokens / seconds.max(1e-9),
+    })
+}
+
+fn save(
+    model: &TrainableModel,
+    opt: &AdamW,
+    cfg: &SftConfig,
+    tokenizer_json: &Path,
+    dir: &Path,
+    step: usize,
+) -> Result<(), TrainError> {
+    let state = TrainerState {
+        kind: "sft".into(),
+        step,
+        total_steps: cfg.steps,
+        seed: cfg.seed,
+        rng: serde_json::json!({"data_order": "seeded epoch permutations; position = step * batch"}),
+        config: serde_json::to_value(cfg).unwrap_or_default(),
+        metrics: serde_json::Value::Null,
+    };
+    checkpoint::save(
+        dir,
+        &model.decoder.cfg,
+        &model.weights(),
+        tokenizer_json,
+        Some(&opt.state_tensors()),
+        &state,
+    )?;
+    Ok(())
+}
