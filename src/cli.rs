@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 use envace::env::cli::{BfclEvalArgs, EnvCommand, TasksArgs};
 
 #[derive(Debug, Parser)]
-#[command(name = "envace", version, about = "Train and inspect tool-using LLM agents the EnvACE way")]
+#[command(
+    name = "envace",
+    version,
+    about = "Train and inspect tool-using LLM agents the EnvACE way"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

@@ -256,7 +256,8 @@ fn dict_matches(a: &Map<String, Value>, b: &Map<String, Value>) -> bool {
     let lists = b.values().all(Value::is_array);
     if !lists {
         return a.len() == b.len()
-            && a.iter().all(|(k, v)| b.get(k).is_some_and(|w| matches(v, w)));
+            && a.iter()
+                .all(|(k, v)| b.get(k).is_some_and(|w| matches(v, w)));
     }
     for (k, v) in a {
         let Some(Value::Array(options)) = b.get(k) else {
@@ -300,9 +301,9 @@ pub fn check_call(call: &ToolCall, function: &Value, truth: &Value) -> Result<()
         }
     }
     for (k, v) in args {
-        let schema = props.and_then(|p| p.get(k)).ok_or_else(|| {
-            format!("unexpected parameter `{k}`")
-        })?;
+        let schema = props
+            .and_then(|p| p.get(k))
+            .ok_or_else(|| format!("unexpected parameter `{k}`"))?;
         let allowed = params
             .get(k)
             .and_then(Value::as_array)
@@ -337,7 +338,10 @@ pub fn check_entry(entry: &BfclEntry, mode: CheckMode, calls: &[ToolCall]) -> Re
             if calls.is_empty() {
                 Ok(())
             } else {
-                Err(format!("{} call(s) made where none was relevant", calls.len()))
+                Err(format!(
+                    "{} call(s) made where none was relevant",
+                    calls.len()
+                ))
             }
         }
         CheckMode::Relevance => {
@@ -365,7 +369,8 @@ pub fn check_entry(entry: &BfclEntry, mode: CheckMode, calls: &[ToolCall]) -> Re
             }
             let mut used = vec![false; calls.len()];
             for (ti, truth) in entry.ground_truth.iter().enumerate() {
-                let f = function_named(entry, truth).ok_or("ground truth names no given function")?;
+                let f =
+                    function_named(entry, truth).ok_or("ground truth names no given function")?;
                 let hit = calls
                     .iter()
                     .enumerate()
@@ -451,7 +456,9 @@ pub fn load_responses(path: &Path) -> Result<HashMap<String, Vec<ToolCall>>, Bfc
                 })?
                 .to_string();
             let arguments = match c.get("arguments") {
-                Some(Value::String(s)) => serde_json::from_str(s).unwrap_or(Value::String(s.clone())),
+                Some(Value::String(s)) => {
+                    serde_json::from_str(s).unwrap_or(Value::String(s.clone()))
+                }
                 Some(v) => v.clone(),
                 None => json!({}),
             };

@@ -229,7 +229,10 @@ fn run_list(json: bool) -> Result<()> {
 async fn open_env(domain: Option<&str>, mcp: &McpArgs) -> Result<Box<dyn Environment>> {
     match (domain, mcp.config()?) {
         (Some(_), Some(_)) => bail!("give either a DOMAIN or --mcp/--mcp-url, not both"),
-        (None, None) => bail!("give a DOMAIN ({}) or --mcp 'CMD ARGS'", Domain::known_names()),
+        (None, None) => bail!(
+            "give a DOMAIN ({}) or --mcp 'CMD ARGS'",
+            Domain::known_names()
+        ),
         (Some(d), None) => Ok(Box::new(DomainEnv::new(Domain::from_name(d)?))),
         (None, Some(cfg)) => Ok(Box::new(McpEnv::connect(cfg).await?)),
     }
@@ -258,7 +261,9 @@ async fn run_call(target: Vec<String>, mcp: &McpArgs, task: Option<String>) -> R
         (true, [t, a]) => (None, t.clone(), a.clone()),
         (false, [d, t]) => (Some(d.clone()), t.clone(), "{}".to_string()),
         (false, [d, t, a]) => (Some(d.clone()), t.clone(), a.clone()),
-        _ => bail!("usage: envace env call DOMAIN TOOL 'JSON' | envace env call --mcp CMD TOOL 'JSON'"),
+        _ => bail!(
+            "usage: envace env call DOMAIN TOOL 'JSON' | envace env call --mcp CMD TOOL 'JSON'"
+        ),
     };
     let arguments: Value =
         serde_json::from_str(&args).with_context(|| format!("arguments are not JSON: {args}"))?;
@@ -379,13 +384,19 @@ pub fn run_tasks(args: TasksArgs) -> Result<()> {
     if args.json {
         return print_json(&serde_json::to_value(&tasks)?);
     }
+    let mut out = std::io::stdout().lock();
     for t in &tasks {
-        println!(
+        let line = writeln!(
+            out,
             "{}  {:<22} {}",
             t.id,
             t.kind,
             t.user_turns().join(" / ")
         );
+        match line {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            other => other?,
+        }
     }
     Ok(())
 }

@@ -116,12 +116,18 @@ impl McpServerConfig {
 /// A readable name: the package directory for `node …/server-x/dist/index.js`, else the
 /// executable's file name.
 fn server_name(command: &str, args: &[String]) -> String {
-    let script = args.iter().find(|a| a.ends_with(".js") || a.ends_with(".py"));
+    let script = args
+        .iter()
+        .find(|a| a.ends_with(".js") || a.ends_with(".py"));
     if let Some(s) = script {
         let p = Path::new(s);
         if let Some(pkg) = p
             .ancestors()
-            .find(|a| a.parent().and_then(|x| x.file_name()).is_some_and(|n| n == "@modelcontextprotocol" || n == "node_modules"))
+            .find(|a| {
+                a.parent()
+                    .and_then(|x| x.file_name())
+                    .is_some_and(|n| n == "@modelcontextprotocol" || n == "node_modules")
+            })
             .and_then(|a| a.file_name())
         {
             return pkg.to_string_lossy().into_owned();
@@ -154,7 +160,10 @@ impl StderrTail {
         }
     }
     fn get(&self) -> String {
-        self.0.lock().map(|t| t.trim().to_string()).unwrap_or_default()
+        self.0
+            .lock()
+            .map(|t| t.trim().to_string())
+            .unwrap_or_default()
     }
 }
 
@@ -223,8 +232,7 @@ impl McpEnv {
                 proc
             }
         };
-        let client = match tokio::time::timeout(config.connect_timeout, ().serve(transport)).await
-        {
+        let client = match tokio::time::timeout(config.connect_timeout, ().serve(transport)).await {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
                 // Give the stderr reader a moment to collect the reason.
@@ -482,16 +490,18 @@ impl Environment for McpEnv {
     }
 
     async fn score(&mut self, trace: &EpisodeTrace) -> Result<Score, EnvError> {
-        let task = self
-            .task
-            .clone()
-            .ok_or_else(|| EnvError::Other("no task: reset to an MCP task before scoring".into()))?;
+        let task = self.task.clone().ok_or_else(|| {
+            EnvError::Other("no task: reset to an MCP task before scoring".into())
+        })?;
         let mut checklist = Vec::new();
         for (i, c) in task.checks.iter().enumerate() {
             let resp = self.raw_call(&c.call).await?;
             let (passed, reason) = c.evaluate(&resp);
             checklist.push(ChecklistItem {
-                name: c.name.clone().unwrap_or_else(|| format!("check {i}: {}", c.call.name)),
+                name: c
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| format!("check {i}: {}", c.call.name)),
                 weight: c.weight,
                 passed,
                 reason,
@@ -507,21 +517,36 @@ impl Environment for McpEnv {
                 name: format!("tells the user `{f}`"),
                 weight: 1.0,
                 passed: hit,
-                reason: if hit { "mentioned".into() } else { "not mentioned".into() },
+                reason: if hit {
+                    "mentioned".into()
+                } else {
+                    "not mentioned".into()
+                },
             });
         }
         let total: f64 = checklist.iter().map(|c| c.weight).sum();
-        let got: f64 = checklist.iter().filter(|c| c.passed).map(|c| c.weight).sum();
+        let got: f64 = checklist
+            .iter()
+            .filter(|c| c.passed)
+            .map(|c| c.weight)
+            .sum();
         let all = checklist.iter().all(|c| c.passed);
         Ok(Score {
-            reward: if all && trace.finished_normally { 1.0 } else { 0.0 },
+            reward: if all && trace.finished_normally {
+                1.0
+            } else {
+                0.0
+            },
             partial: if total > 0.0 { got / total } else { 0.0 },
             checklist,
         })
     }
 
     fn user_turns(&self) -> Vec<String> {
-        self.task.as_ref().map(|t| t.turns.clone()).unwrap_or_default()
+        self.task
+            .as_ref()
+            .map(|t| t.turns.clone())
+            .unwrap_or_default()
     }
 }
 

@@ -248,7 +248,11 @@ pub fn derive_checklist(task: &Task) -> Vec<ChecklistSpec> {
         .unwrap_or_default();
     let mut out = Vec::new();
     for a in task.turns.iter().flat_map(|t| &t.actions) {
-        let weight = if read_only.contains(&a.name) { 0.5 } else { 1.0 };
+        let weight = if read_only.contains(&a.name) {
+            0.5
+        } else {
+            1.0
+        };
         out.push(ChecklistSpec {
             name: format!("calls {} {}", a.name, a.arguments),
             weight,
@@ -353,9 +357,13 @@ type Invalid = (String, String, String);
 /// Validate one task object, naming the offending field.
 pub fn validate_task(item: &Value, index: usize) -> Result<Task, Invalid> {
     let fallback = format!("#{index}");
-    let obj = item
-        .as_object()
-        .ok_or_else(|| (fallback.clone(), "-".to_string(), "a task must be a JSON object".into()))?;
+    let obj = item.as_object().ok_or_else(|| {
+        (
+            fallback.clone(),
+            "-".to_string(),
+            "a task must be a JSON object".into(),
+        )
+    })?;
     let id = match obj.get("id") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         Some(_) => return Err((fallback, "id".into(), "must be a non-empty string".into())),
@@ -387,7 +395,9 @@ pub fn validate_task(item: &Value, index: usize) -> Result<Task, Invalid> {
     ) -> Result<Option<T>, String> {
         match obj.get(key) {
             None => Ok(None),
-            Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| e.to_string()),
+            Some(v) => serde_json::from_value(v.clone())
+                .map(Some)
+                .map_err(|e| e.to_string()),
         }
     }
     let domain_name: String = field(obj, "domain")

@@ -194,7 +194,10 @@ pub(crate) fn exec(b: &mut Bank, name: &str, a: &Args<'_>) -> Result<Value, Fail
             if amount > from.limit {
                 return Err(Fail::new(
                     "limit_exceeded",
-                    format!("{amount} is over the transfer limit {} of {src}", from.limit),
+                    format!(
+                        "{amount} is over the transfer limit {} of {src}",
+                        from.limit
+                    ),
                 ));
             }
             if from.balance < amount {

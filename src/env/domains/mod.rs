@@ -123,8 +123,8 @@ fn apply_typed<S: Serialize + DeserializeOwned>(
     call: &ToolCall,
     f: CallFn<S>,
 ) -> Result<ToolResponse, EnvError> {
-    let mut world: S = parse_state(state)
-        .map_err(|e| EnvError::Other(format!("invalid {domain} state: {e}")))?;
+    let mut world: S =
+        parse_state(state).map_err(|e| EnvError::Other(format!("invalid {domain} state: {e}")))?;
     let schema = domain
         .tools()
         .into_iter()
@@ -235,10 +235,7 @@ pub(crate) fn tool(
     let mut props = Map::new();
     let mut required = Vec::new();
     for (p, ty, desc, req) in params {
-        props.insert(
-            (*p).to_string(),
-            json!({"type": ty, "description": desc}),
-        );
+        props.insert((*p).to_string(), json!({"type": ty, "description": desc}));
         if *req {
             required.push(Value::from(*p));
         }
@@ -365,13 +362,13 @@ impl Rng {
 }
 
 const TRAIN_NAMES: &[&str] = &[
-    "Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gina", "Hugo", "Ida", "Jon", "Kim", "Leo",
-    "Mia", "Ned", "Olga", "Paul", "Rita", "Sam", "Tess", "Uma", "Vic", "Wes", "Yara", "Zoe",
-    "Alma", "Bruno", "Cleo", "Dora", "Emil", "Flora", "Gus", "Hana",
+    "Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gina", "Hugo", "Ida", "Jon", "Kim", "Leo", "Mia",
+    "Ned", "Olga", "Paul", "Rita", "Sam", "Tess", "Uma", "Vic", "Wes", "Yara", "Zoe", "Alma",
+    "Bruno", "Cleo", "Dora", "Emil", "Flora", "Gus", "Hana",
 ];
 const TEST_NAMES: &[&str] = &[
-    "Iris", "Jack", "Kurt", "Lena", "Milo", "Nina", "Otto", "Pia", "Rosa", "Sven", "Theo",
-    "Vera", "Wanda", "Xena", "Yves", "Zane",
+    "Iris", "Jack", "Kurt", "Lena", "Milo", "Nina", "Otto", "Pia", "Rosa", "Sven", "Theo", "Vera",
+    "Wanda", "Xena", "Yves", "Zane",
 ];
 const TRAIN_CITIES: &[&str] = &[
     "Oslo", "Rome", "Paris", "Lima", "Cairo", "Dublin", "Madrid", "Lisbon", "Vienna", "Prague",
@@ -416,7 +413,7 @@ impl Pools {
                 items: TRAIN_ITEMS,
                 id_lo: 100,
                 id_hi: 599,
-                amt_lo: 10,
+                amt_lo: 30,
                 amt_hi: 390,
                 day_lo: 1,
                 day_hi: 19,

@@ -212,9 +212,10 @@ pub(crate) fn exec(s: &mut Shop, name: &str, a: &Args<'_>) -> Result<Value, Fail
             let (id, sku) = (a.str("order")?, a.str("sku")?);
             let o = order(s, id)?;
             require(o, id, Status::Delivered, "returned")?;
-            let pos = o.items.iter().position(|k| k == sku).ok_or_else(|| {
-                Fail::new("not_in_order", format!("{sku} is not in order {id}"))
-            })?;
+            let pos =
+                o.items.iter().position(|k| k == sku).ok_or_else(|| {
+                    Fail::new("not_in_order", format!("{sku} is not in order {id}"))
+                })?;
             o.items.remove(pos);
             let refund = price_of(s, sku);
             product(s, sku)?.stock += 1;
@@ -228,11 +229,15 @@ pub(crate) fn exec(s: &mut Shop, name: &str, a: &Args<'_>) -> Result<Value, Fail
             let (id, sku, new_sku) = (a.str("order")?, a.str("sku")?, a.str("new_sku")?);
             let o = order(s, id)?;
             require(o, id, Status::Delivered, "exchanged")?;
-            let pos = o.items.iter().position(|k| k == sku).ok_or_else(|| {
-                Fail::new("not_in_order", format!("{sku} is not in order {id}"))
-            })?;
+            let pos =
+                o.items.iter().position(|k| k == sku).ok_or_else(|| {
+                    Fail::new("not_in_order", format!("{sku} is not in order {id}"))
+                })?;
             if sku == new_sku {
-                return Err(Fail::new("invalid_arguments", "sku and new_sku are the same"));
+                return Err(Fail::new(
+                    "invalid_arguments",
+                    "sku and new_sku are the same",
+                ));
             }
             let wanted = product(s, new_sku)?;
             if wanted.stock <= 0 {
@@ -425,10 +430,7 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
                     rng.pick(&q).clone(),
                     vec![
                         (get, None),
-                        (
-                            call("return_item", json!({"order": o, "sku": sku})),
-                            None,
-                        ),
+                        (call("return_item", json!({"order": o, "sku": sku})), None),
                     ],
                     format!("Returned the {item}. Refund: {price}."),
                 )],
@@ -598,10 +600,7 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
                     ),
                     turn(
                         "Please return it.".to_string(),
-                        vec![(
-                            call("return_item", json!({"order": o, "sku": sku})),
-                            None,
-                        )],
+                        vec![(call("return_item", json!({"order": o, "sku": sku})), None)],
                         format!("Returned. Refund: {price}."),
                     ),
                 ],
@@ -618,9 +617,15 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
             }
             let stock = w.shop.products.get(&sku).map_or(0, |p| p.stock);
             let (reply, fact) = if out {
-                (format!("{sku} is out of stock."), "out of stock".to_string())
+                (
+                    format!("{sku} is out of stock."),
+                    "out of stock".to_string(),
+                )
             } else {
-                (format!("{sku} has {stock} in stock."), format!("{stock} in stock"))
+                (
+                    format!("{sku} has {stock} in stock."),
+                    format!("{stock} in stock"),
+                )
             };
             (
                 "stock",

@@ -170,7 +170,9 @@ pub(crate) fn exec(d: &mut Desk, name: &str, a: &Args<'_>) -> Result<Value, Fail
                 .flights
                 .iter()
                 .filter(|(_, f)| {
-                    f.src.eq_ignore_ascii_case(src) && f.dst.eq_ignore_ascii_case(dst) && f.day == day
+                    f.src.eq_ignore_ascii_case(src)
+                        && f.dst.eq_ignore_ascii_case(dst)
+                        && f.day == day
                 })
                 .map(|(id, f)| json!({"flight": id, "price": f.price, "seats": f.seats}))
                 .collect();
@@ -179,8 +181,10 @@ pub(crate) fn exec(d: &mut Desk, name: &str, a: &Args<'_>) -> Result<Value, Fail
         "get_flight" => {
             let id = a.str("flight")?;
             let f = flight(d, id)?;
-            Ok(json!({"flight": id, "src": f.src, "dst": f.dst, "day": f.day,
-                      "price": f.price, "seats": f.seats}))
+            Ok(
+                json!({"flight": id, "src": f.src, "dst": f.dst, "day": f.day,
+                      "price": f.price, "seats": f.seats}),
+            )
         }
         "find_bookings" => {
             let who = a.str("name")?;
@@ -483,7 +487,10 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
             let bk = w.bks[0].clone();
             let flex = rng.coin();
             w.set_fare(&bk, if flex { Fare::Flex } else { Fare::Basic });
-            let q = [format!("Cancel booking {bk}."), format!("Please cancel {bk}.")];
+            let q = [
+                format!("Cancel booking {bk}."),
+                format!("Please cancel {bk}."),
+            ];
             let c = call("cancel", json!({ "bk": bk }));
             if flex {
                 (
@@ -587,10 +594,7 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
                     vec![
                         (call("get_booking", json!({ "bk": bk })), None),
                         (call("get_flight", json!({ "flight": cur })), None),
-                        (
-                            call("search", json!({"src": a, "dst": b, "day": d2})),
-                            None,
-                        ),
+                        (call("search", json!({"src": a, "dst": b, "day": d2})), None),
                         (call("change", json!({"bk": bk, "flight": to})), None),
                     ],
                     format!("{bk} is now on {to}."),
@@ -605,11 +609,9 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
                     x.status = BookingStatus::Cancelled;
                 }
             }
-            let (fl, st) = w
-                .desk
-                .bookings
-                .get(&bk)
-                .map_or((String::new(), "?"), |x| (x.flight.clone(), x.status.name()));
+            let (fl, st) = w.desk.bookings.get(&bk).map_or((String::new(), "?"), |x| {
+                (x.flight.clone(), x.status.name())
+            });
             (
                 "booking_status",
                 vec![turn(
