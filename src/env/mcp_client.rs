@@ -16,11 +16,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock};
 use rmcp::service::{RoleClient, RunningService};
-use rmcp::transport::{ConfigureCommandExt, TokioChildProcess};
 use rmcp::{ServiceError, ServiceExt};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 use crate::env::reward::state_hash;
 use crate::env::{
@@ -141,11 +140,23 @@ fn server_name(command: &str, args: &[String]) -> String {
         .map_or_else(|| command.to_string(), |f| f.to_string_lossy().into_owned())
 }
 
-/// The last few KiB a server wrote to stderr (for error messages).
+/// The last few KiB a server wrote to stderr, and the first stdout line that was not JSON
+/// (for error messages).
 #[derive(Debug, Clone, Default)]
-struct StderrTail(Arc<Mutex<String>>);
+struct StderrTail(Arc<Mutex<String>>, Arc<Mutex<Option<String>>>);
 
 impl StderrTail {
+    fn note_garbage(&self, line: &str) {
+        if let Ok(mut g) = self.1.lock() {
+            if g.is_none() {
+                let short: String = line.chars().take(120).collect();
+                *g = Some(format!("{short:?}"));
+            }
+        }
+    }
+    fn garbage(&self) -> Option<String> {
+        self.1.lock().ok().and_then(|g| g.clone())
+    }
     const KEEP: usize = 2048;
     fn push(&self, s: &str) {
         if let Ok(mut t) = self.0.lock() {
@@ -167,10 +178,52 @@ impl StderrTail {
     }
 }
 
+fn spawn_stderr_reader(mut se: tokio::process::ChildStderr, tail: StderrTail) {
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1024];
+        while let Ok(n) = se.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            tail.push(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+}
+
+/// Forward the server's stdout line by line, noting (and dropping) lines that are not JSON, so
+/// that a garbage-talking server is named as such instead of surfacing as a bare timeout.
+fn spawn_stdout_vetter(
+    stdout: tokio::process::ChildStdout,
+    tail: StderrTail,
+) -> tokio::io::ReadHalf<tokio::io::DuplexStream> {
+    let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.trim().is_empty() {
+                continue;
+            }
+            if serde_json::from_str::<Value>(&line).is_err() {
+                tail.note_garbage(&line);
+                continue;
+            }
+            if theirs.write_all(line.as_bytes()).await.is_err()
+                || theirs.write_all(b"\n").await.is_err()
+            {
+                break;
+            }
+        }
+        // Dropping `theirs` closes the client's side: the service sees the server gone.
+    });
+    tokio::io::split(ours).0
+}
+
 /// A connected MCP server.
 pub struct McpEnv {
     config: McpServerConfig,
     client: RunningService<RoleClient, ()>,
+    /// The server process (stdio); killed when the environment is dropped.
+    process: Option<tokio::process::Child>,
     stderr: StderrTail,
     tools: Option<Vec<ToolSpec>>,
     tasks: Vec<McpTask>,
@@ -189,6 +242,7 @@ impl McpEnv {
     /// Start (stdio) or reach (HTTP) the server and complete the MCP handshake.
     pub async fn connect(config: McpServerConfig) -> Result<Self, EnvError> {
         let stderr = StderrTail::default();
+        let process;
         let err = |message: String| EnvError::Mcp {
             server: config.name.clone(),
             message,
@@ -205,31 +259,28 @@ impl McpEnv {
                 env,
                 cwd,
             } => {
-                let cmd = tokio::process::Command::new(command).configure(|c| {
-                    c.args(args);
-                    c.envs(env);
-                    if let Some(d) = cwd {
-                        c.current_dir(d);
-                    }
-                    c.kill_on_drop(true);
-                });
-                let (proc, child_stderr) = TokioChildProcess::builder(cmd)
+                let mut cmd = tokio::process::Command::new(command);
+                cmd.args(args)
+                    .envs(env)
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
+                    .kill_on_drop(true);
+                if let Some(d) = cwd {
+                    cmd.current_dir(d);
+                }
+                let mut child = cmd
                     .spawn()
                     .map_err(|e| err(format!("cannot start `{command}`: {e}")))?;
-                if let Some(mut se) = child_stderr {
-                    let tail = stderr.clone();
-                    tokio::spawn(async move {
-                        let mut buf = [0u8; 1024];
-                        while let Ok(n) = se.read(&mut buf).await {
-                            if n == 0 {
-                                break;
-                            }
-                            tail.push(&String::from_utf8_lossy(&buf[..n]));
-                        }
-                    });
-                }
-                proc
+                let (Some(stdin), Some(stdout), Some(child_stderr)) =
+                    (child.stdin.take(), child.stdout.take(), child.stderr.take())
+                else {
+                    return Err(err("cannot capture the server's stdio".into()));
+                };
+                spawn_stderr_reader(child_stderr, stderr.clone());
+                let reader = spawn_stdout_vetter(stdout, stderr.clone());
+                process = Some(child);
+                (reader, stdin)
             }
         };
         let client = match tokio::time::timeout(config.connect_timeout, ().serve(transport)).await {
@@ -243,9 +294,13 @@ impl McpEnv {
                 )));
             }
             Err(_) => {
+                let garbage = stderr
+                    .garbage()
+                    .map(|l| format!(" (it wrote non-JSON-RPC output: {l})"))
+                    .unwrap_or_default();
                 return Err(err(with_tail(
                     format!(
-                        "no answer to initialize within {:.1}s",
+                        "no valid answer to initialize within {:.1}s{garbage}",
                         config.connect_timeout.as_secs_f64()
                     ),
                     &stderr,
@@ -255,6 +310,7 @@ impl McpEnv {
         Ok(Self {
             config,
             client,
+            process,
             stderr,
             tools: None,
             tasks: Vec::new(),
@@ -285,14 +341,18 @@ impl McpEnv {
         Ok(())
     }
 
-    fn error(&self, message: String) -> EnvError {
+    fn error(&mut self, message: String) -> EnvError {
+        let status = match self.process.as_mut().map(tokio::process::Child::try_wait) {
+            Some(Ok(Some(st))) => format!(" (server exited: {st})"),
+            _ => String::new(),
+        };
         EnvError::Mcp {
             server: self.config.name.clone(),
-            message: with_tail(message, &self.stderr),
+            message: with_tail(format!("{message}{status}"), &self.stderr),
         }
     }
 
-    fn gone(&self, e: &ServiceError) -> EnvError {
+    fn gone(&mut self, e: &ServiceError) -> EnvError {
         self.error(format!(
             "the server is gone (crashed, exited or sent garbage): {e}"
         ))
@@ -318,10 +378,18 @@ impl McpEnv {
         }
         let t = self.config.call_timeout;
         match tokio::time::timeout(t, self.client.peer().call_tool(params)).await {
-            Err(_) => Err(EnvError::Timeout {
-                tool: call.name.clone(),
-                seconds: t.as_secs_f64(),
-            }),
+            Err(_) => match self.stderr.garbage() {
+                // The transport drops lines it cannot decode: say so rather than just "timeout".
+                Some(line) => Err(self.error(format!(
+                    "no valid answer to `{}` within {:.1}s; the server wrote non-JSON-RPC output: {line}",
+                    call.name,
+                    t.as_secs_f64()
+                ))),
+                None => Err(EnvError::Timeout {
+                    tool: call.name.clone(),
+                    seconds: t.as_secs_f64(),
+                }),
+            },
             Ok(Ok(result)) => Ok(to_response(result)),
             Ok(Err(ServiceError::McpError(e))) => Ok(ToolResponse::Error {
                 code: format!("mcp_{}", e.code.0),
