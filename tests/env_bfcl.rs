@@ -1,6 +1,9 @@
 //! The BFCL-v4 single-turn loader and AST checker on small fixtures written in BFCL's format,
 //! through the library and through `envace eval bfcl`.
 
+// Tests may unwrap: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -2,6 +2,9 @@
 //! solution scores 1.0, wrong and empty episodes score below 1, bad calls are JSON errors,
 //! splits are disjoint, bad task files name file, task and field, and the CLI agrees.
 
+// Tests may unwrap: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;

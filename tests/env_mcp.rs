@@ -2,6 +2,9 @@
 //! own `envace env serve`, and against a misbehaving server: clear errors within the timeout,
 //! never a panic or a hang. A missing fixture fails the test and says how to fetch it.
 
+// Tests may unwrap: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

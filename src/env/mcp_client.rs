@@ -147,11 +147,11 @@ struct StderrTail(Arc<Mutex<String>>, Arc<Mutex<Option<String>>>);
 
 impl StderrTail {
     fn note_garbage(&self, line: &str) {
-        if let Ok(mut g) = self.1.lock() {
-            if g.is_none() {
-                let short: String = line.chars().take(120).collect();
-                *g = Some(format!("{short:?}"));
-            }
+        if let Ok(mut g) = self.1.lock()
+            && g.is_none()
+        {
+            let short: String = line.chars().take(120).collect();
+            *g = Some(format!("{short:?}"));
         }
     }
     fn garbage(&self) -> Option<String> {
@@ -421,16 +421,16 @@ pub fn to_response(r: CallToolResult) -> ToolResponse {
     let joined = texts.join("\n");
     if r.is_error == Some(true) {
         // Our own servers send {"error": {code, message}}: keep the code.
-        if let Some(e) = r.structured_content.as_ref().and_then(|v| v.get("error")) {
-            if let (Some(code), Some(message)) = (
+        if let Some(e) = r.structured_content.as_ref().and_then(|v| v.get("error"))
+            && let (Some(code), Some(message)) = (
                 e.get("code").and_then(Value::as_str),
                 e.get("message").and_then(Value::as_str),
-            ) {
-                return ToolResponse::Error {
-                    code: code.to_string(),
-                    message: message.to_string(),
-                };
-            }
+            )
+        {
+            return ToolResponse::Error {
+                code: code.to_string(),
+                message: message.to_string(),
+            };
         }
         return ToolResponse::Error {
             code: "tool_error".into(),
@@ -657,10 +657,10 @@ impl McpCheck {
         let Some(v) = root.pointer(&self.path) else {
             return (false, format!("no value at `{}` in {root}", self.path));
         };
-        if let Some(want) = &self.equals {
-            if v != want {
-                return (false, format!("`{}` is {v}, want {want}", self.path));
-            }
+        if let Some(want) = &self.equals
+            && v != want
+        {
+            return (false, format!("`{}` is {v}, want {want}", self.path));
         }
         if let Some(sub) = &self.contains {
             let text = match v {

@@ -566,13 +566,13 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
                     frozen: false,
                 },
             );
-            let mut ids = vec![p0.card.clone(), second.clone()];
+            let mut ids = [p0.card.clone(), second.clone()];
             ids.sort();
             let already = rng.below(3); // 0, 1: that card is frozen already; 2: none
-            if already < 2 {
-                if let Some(x) = bank.cards.get_mut(&ids[already]) {
-                    x.frozen = true;
-                }
+            if already < 2
+                && let Some(x) = bank.cards.get_mut(&ids[already])
+            {
+                x.frozen = true;
             }
             let mut actions = vec![(call("get_cards", json!({ "acc": a })), None)];
             for (i, c) in ids.iter().enumerate() {

@@ -185,13 +185,13 @@ impl<'a> Args<'a> {
             .as_object()
             .ok_or_else(|| Fail::new("invalid_arguments", "arguments must be a JSON object"))?;
         let props = schema.get("properties").and_then(Value::as_object);
-        if let Some(props) = props {
-            if let Some(k) = obj.keys().find(|k| !props.contains_key(*k)) {
-                return Err(Fail::new(
-                    "invalid_arguments",
-                    format!("unknown argument `{k}`"),
-                ));
-            }
+        if let Some(props) = props
+            && let Some(k) = obj.keys().find(|k| !props.contains_key(*k))
+        {
+            return Err(Fail::new(
+                "invalid_arguments",
+                format!("unknown argument `{k}`"),
+            ));
         }
         Ok(Self { obj })
     }

@@ -553,10 +553,8 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
                 .cloned()
                 .unwrap_or_default();
             let out = rng.below(3) == 0;
-            if out {
-                if let Some(p) = w.shop.products.get_mut(&new_sku) {
-                    p.stock = 0;
-                }
+            if out && let Some(p) = w.shop.products.get_mut(&new_sku) {
+                p.stock = 0;
             }
             let diff = w.price(&new_sku) - w.price(&sku);
             let c = call(
@@ -610,10 +608,8 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
         _ => {
             let sku = w.skus[rng.below(4)].clone();
             let out = rng.below(3) == 0;
-            if out {
-                if let Some(p) = w.shop.products.get_mut(&sku) {
-                    p.stock = 0;
-                }
+            if out && let Some(p) = w.shop.products.get_mut(&sku) {
+                p.stock = 0;
             }
             let stock = w.shop.products.get(&sku).map_or(0, |p| p.stock);
             let (reply, fact) = if out {

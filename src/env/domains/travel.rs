@@ -604,10 +604,10 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
         }
         _ => {
             let bk = w.bks[rng.below(2)].clone();
-            if rng.coin() {
-                if let Some(x) = w.desk.bookings.get_mut(&bk) {
-                    x.status = BookingStatus::Cancelled;
-                }
+            if rng.coin()
+                && let Some(x) = w.desk.bookings.get_mut(&bk)
+            {
+                x.status = BookingStatus::Cancelled;
             }
             let (fl, st) = w.desk.bookings.get(&bk).map_or((String::new(), "?"), |x| {
                 (x.flight.clone(), x.status.name())
