@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use envace::env::cli::{BfclEvalArgs, EnvCommand, TasksArgs};
 use envace::runtime::DeviceChoice;
 
 #[derive(Debug, Parser)]
@@ -26,6 +27,24 @@ pub enum Command {
     Bench(BenchCommand),
     /// Headless demo of the bundled model (what `cargo run --release` shows until the TUI lands).
     Demo(DemoArgs),
+    /// Task environments: built-in domains and MCP servers.
+    Env {
+        #[command(subcommand)]
+        command: EnvCommand,
+    },
+    /// List the tasks of a built-in domain.
+    Tasks(TasksArgs),
+    /// Evaluate.
+    Eval {
+        #[command(subcommand)]
+        command: EvalCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EvalCommand {
+    /// Score recorded calls on a BFCL-v4 single-turn category.
+    Bfcl(BfclEvalArgs),
 }
 
 #[derive(Debug, Args)]

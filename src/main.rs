@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 
-use cli::{BenchCommand, Cli, Command, GenerateArgs};
+use cli::{BenchCommand, Cli, Command, EvalCommand, GenerateArgs};
+use envace::env::cli as env_cli;
 use envace::message::Message;
 use envace::runtime::{CancelToken, LanguageModel, LocalModel, SamplingParams};
 
@@ -18,6 +19,11 @@ fn main() -> Result<()> {
         None => demo(None),
         Some(Command::Demo(a)) => demo(a.model),
         Some(Command::Generate(a)) => generate(a),
+        Some(Command::Env { command }) => tokio_runtime()?.block_on(env_cli::run_env(command)),
+        Some(Command::Tasks(args)) => env_cli::run_tasks(args),
+        Some(Command::Eval {
+            command: EvalCommand::Bfcl(args),
+        }) => env_cli::run_eval_bfcl(args),
         Some(Command::Bench(BenchCommand::Generate(a))) => {
             let model = LocalModel::load(&a.model, a.device)
                 .with_context(|| format!("loading {}", a.model.display()))?;
@@ -30,6 +36,12 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn tokio_runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {

@@ -9,6 +9,19 @@ use serde_json::Value;
 
 use crate::message::ToolCall;
 
+pub mod bfcl;
+pub mod cli;
+pub mod domain_env;
+pub mod domains;
+pub mod mcp_client;
+pub mod mcp_server;
+pub mod reward;
+pub mod tasks;
+
+pub use domain_env::DomainEnv;
+pub use domains::Domain;
+pub use tasks::{GoldTurnTrace, Split, Task};
+
 /// MCP-style behaviour hints of a tool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ToolAnnotations {
@@ -152,4 +165,17 @@ pub trait Environment: Send {
     /// Score a finished episode of the current task. Must not change the live state observed by
     /// the episode (scoring replays on fresh copies).
     async fn score(&mut self, trace: &EpisodeTrace) -> Result<Score, EnvError>;
+
+    /// The current task's user messages, in order (a scripted follow-up turn is sent after the
+    /// agent answered the previous one). Empty when the environment has no task.
+    fn user_turns(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// The current task's gold trajectory replayed on a fresh copy of its initial state: per
+    /// turn, each (call, response) and the expert's reply. `None` without a gold solution.
+    /// The simulator role uses these as recorded few-shot examples during training.
+    fn gold_trajectory(&self) -> Result<Option<Vec<GoldTurnTrace>>, EnvError> {
+        Ok(None)
+    }
 }

@@ -137,8 +137,8 @@ impl ChatTemplate {
 
     /// The ChatML fallback.
     pub fn chatml() -> Self {
-        let mut t = Self::new(CHATML_TOOLS_TEMPLATE, "", "<|im_end|>")
-            .unwrap_or_else(unreachable_template);
+        let mut t =
+            Self::new(CHATML_TOOLS_TEMPLATE, "", "<|im_end|>").unwrap_or_else(unreachable_template);
         t.is_fallback = true;
         t
     }

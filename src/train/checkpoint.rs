@@ -92,10 +92,14 @@ pub fn save(
             .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
             .collect::<candle_core::Result<_>>()
             .map_err(|e| io(dir, e))?;
-        candle_core::safetensors::save(&cpu, tmp.join("optimizer.safetensors")).map_err(|e| io(&tmp, e))?;
+        candle_core::safetensors::save(&cpu, tmp.join("optimizer.safetensors"))
+            .map_err(|e| io(&tmp, e))?;
     }
     // trainer_state.json is written last: its presence marks a complete checkpoint.
-    write_json("trainer_state.json", &serde_json::to_value(state).map_err(|e| io(dir, e))?)?;
+    write_json(
+        "trainer_state.json",
+        &serde_json::to_value(state).map_err(|e| io(dir, e))?,
+    )?;
     if dir.exists() {
         let old = parent.join(format!("{name}.old"));
         if old.exists() {
@@ -126,7 +130,9 @@ pub fn load_for_resume(dir: &Path, device: &Device) -> Result<Loaded, Checkpoint
     };
     let st = dir.join("trainer_state.json");
     if !st.is_file() {
-        return Err(corrupt("trainer_state.json is missing (was the checkpoint interrupted?)".into()));
+        return Err(corrupt(
+            "trainer_state.json is missing (was the checkpoint interrupted?)".into(),
+        ));
     }
     let text = std::fs::read_to_string(&st).map_err(|e| io(&st, e))?;
     let state: TrainerState =

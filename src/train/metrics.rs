@@ -60,7 +60,10 @@ impl JsonlSink {
         if let Some(d) = path.parent() {
             std::fs::create_dir_all(d)?;
         }
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
         Ok(Self { file, quiet })
     }
 }

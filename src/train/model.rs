@@ -23,7 +23,9 @@ pub struct TrainableModel {
 
 impl std::fmt::Debug for TrainableModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TrainableModel").field("source", &self.source).finish()
+        f.debug_struct("TrainableModel")
+            .field("source", &self.source)
+            .finish()
     }
 }
 
@@ -43,7 +45,10 @@ impl TrainableModel {
     /// A freshly initialised model (seeded).
     pub fn init(cfg: &DecoderConfig, seed: u64, device: &Device) -> Result<Self, RuntimeError> {
         let w = random_weights(cfg, seed, 0.02)?;
-        let tensors = w.into_iter().map(|(k, v)| (k, (v, PathBuf::from("init")))).collect();
+        let tensors = w
+            .into_iter()
+            .map(|(k, v)| (k, (v, PathBuf::from("init"))))
+            .collect();
         let varmap = VarMap::new();
         let decoder = build_dense(cfg, tensors, DType::F32, device, Some(&varmap))?;
         Ok(Self {
@@ -90,8 +95,16 @@ impl Example {
 }
 
 /// Right-padded batch: ids (B, T) and the shifted mask (B, T-1).
-pub fn batch_tensors(examples: &[&Example], device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(2).max(2);
+pub fn batch_tensors(
+    examples: &[&Example],
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let t = examples
+        .iter()
+        .map(|e| e.ids.len())
+        .max()
+        .unwrap_or(2)
+        .max(2);
     let b = examples.len();
     let mut ids = vec![0u32; b * t];
     let mut mask = vec![0f32; b * (t - 1)];

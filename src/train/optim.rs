@@ -100,7 +100,11 @@ impl AdamW {
             let Some(g) = grads.get(p.as_tensor()) else {
                 continue;
             };
-            let g = if grad_scale != 1.0 { (g * grad_scale)? } else { g.clone() };
+            let g = if grad_scale != 1.0 {
+                (g * grad_scale)?
+            } else {
+                g.clone()
+            };
             let m = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
             let v = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
             let m_hat = (&m / bc1)?;
@@ -125,15 +129,27 @@ impl AdamW {
     }
 
     /// Restore moments saved by [`AdamW::state_tensors`].
-    pub fn load_state(&mut self, state: &HashMap<String, Tensor>, step: usize) -> std::result::Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        state: &HashMap<String, Tensor>,
+        step: usize,
+    ) -> std::result::Result<(), String> {
         for (i, (name, p)) in self.params.iter().enumerate() {
-            let m = state.get(&format!("m.{name}")).ok_or_else(|| format!("optimizer state lacks m.{name}"))?;
-            let v = state.get(&format!("v.{name}")).ok_or_else(|| format!("optimizer state lacks v.{name}"))?;
+            let m = state
+                .get(&format!("m.{name}"))
+                .ok_or_else(|| format!("optimizer state lacks m.{name}"))?;
+            let v = state
+                .get(&format!("v.{name}"))
+                .ok_or_else(|| format!("optimizer state lacks v.{name}"))?;
             if m.dims() != p.as_tensor().dims() || v.dims() != p.as_tensor().dims() {
                 return Err(format!("optimizer state for {name} has the wrong shape"));
             }
-            self.m[i] = m.to_device(p.as_tensor().device()).map_err(|e| e.to_string())?;
-            self.v[i] = v.to_device(p.as_tensor().device()).map_err(|e| e.to_string())?;
+            self.m[i] = m
+                .to_device(p.as_tensor().device())
+                .map_err(|e| e.to_string())?;
+            self.v[i] = v
+                .to_device(p.as_tensor().device())
+                .map_err(|e| e.to_string())?;
         }
         self.step = step;
         Ok(())

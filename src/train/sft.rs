@@ -10,11 +10,11 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 
+use super::TrainError;
 use super::checkpoint::{self, Loaded, TrainerState};
 use super::metrics::{MetricsSink, StepMetrics};
 use super::model::{Example, TrainableModel, masked_nll};
 use super::optim::{AdamW, AdamWConfig, schedule};
-use super::TrainError;
 use crate::runtime::CancelToken;
 
 /// SFT settings.
@@ -148,7 +148,11 @@ pub fn run_sft(
         let (loss, n) = masked_nll(&model.decoder, &batch)?;
         let grads = loss.backward()?;
         let gn = opt.grad_norm(&grads)?;
-        let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip { cfg.grad_clip / gn } else { 1.0 };
+        let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip {
+            cfg.grad_clip / gn
+        } else {
+            1.0
+        };
         let lr = schedule(cfg.lr, step, cfg.warmup, cfg.steps, cfg.min_lr_ratio);
         opt.step(&grads, lr, scale)?;
         let l = loss.to_scalar::<f32>()? as f64;
@@ -171,7 +175,14 @@ pub fn run_sft(
             && cfg.checkpoint_every > 0
             && step % cfg.checkpoint_every == 0
         {
-            save(model, &opt, cfg, tokenizer_json, &dir.join(format!("checkpoint-{step}")), step)?;
+            save(
+                model,
+                &opt,
+                cfg,
+                tokenizer_json,
+                &dir.join(format!("checkpoint-{step}")),
+                step,
+            )?;
         }
     }
     if let Some(dir) = out {

@@ -16,7 +16,11 @@ use super::TrainError;
 use crate::runtime::fixture::SPECIAL_TOKENS;
 
 /// Train a tokenizer with at most `vocab_size` entries (specials included) on `corpus`.
-pub fn train_bpe(corpus: &[String], vocab_size: usize, min_frequency: u64) -> Result<Tokenizer, TrainError> {
+pub fn train_bpe(
+    corpus: &[String],
+    vocab_size: usize,
+    min_frequency: u64,
+) -> Result<Tokenizer, TrainError> {
     let specials: Vec<AddedToken> = SPECIAL_TOKENS
         .iter()
         .map(|t| AddedToken::from(t.to_string(), true))

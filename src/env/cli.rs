@@ -1,0 +1,420 @@
+//! The environment subcommands (`envace env …`, `envace tasks`, `envace eval bfcl`): clap types
+//! and their handlers. Thin on purpose: each handler parses, calls the library, prints. anyhow
+//! lives here (the top), never below.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use serde_json::{Value, json};
+
+use crate::env::domains::Domain;
+use crate::env::mcp_client::{McpEnv, McpServerConfig};
+use crate::env::reward::{gold_trace, score_task};
+use crate::env::tasks::{Split, Task, builtin_tasks, list_tasks, load_task_file};
+use crate::env::{DomainEnv, Environment, ToolResponse, ToolSpec};
+use crate::message::ToolCall;
+
+/// `envace env …`
+#[derive(Debug, Subcommand)]
+pub enum EnvCommand {
+    /// List the built-in domains.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the tools of a domain or of an MCP server, with their annotations.
+    Tools {
+        /// A built-in domain (bank, retail, travel).
+        domain: Option<String>,
+        #[command(flatten)]
+        mcp: McpArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Call one tool: `envace env call DOMAIN TOOL 'JSON'` or `envace env call --mcp CMD TOOL 'JSON'`.
+    Call {
+        /// [DOMAIN] TOOL [JSON]
+        #[arg(required = true, num_args = 1..=3)]
+        target: Vec<String>,
+        #[command(flatten)]
+        mcp: McpArgs,
+        /// Reset the domain to this task's initial state first.
+        #[arg(long)]
+        task: Option<String>,
+    },
+    /// Replay every task's gold solution and check that it scores 1.0.
+    CheckGold {
+        domain: String,
+        /// A task file to check instead of the built-in tasks.
+        #[arg(long)]
+        tasks: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve a built-in domain as an MCP server over stdio.
+    Serve {
+        domain: String,
+        /// Start from this task's initial state (default: the demo state).
+        #[arg(long)]
+        task: Option<String>,
+    },
+}
+
+/// How to reach an MCP server.
+#[derive(Debug, Clone, Args)]
+pub struct McpArgs {
+    /// An MCP server command line, e.g. 'node server.js stdio' (split on whitespace).
+    #[arg(long)]
+    pub mcp: Option<String>,
+    /// A streamable-HTTP MCP endpoint URL.
+    #[arg(long)]
+    pub mcp_url: Option<String>,
+    /// Extra environment for the server: KEY=VALUE (repeatable).
+    #[arg(long = "mcp-env")]
+    pub mcp_env: Vec<String>,
+    /// Working directory of the server.
+    #[arg(long)]
+    pub mcp_cwd: Option<PathBuf>,
+    /// Per-call timeout in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub timeout: f64,
+}
+
+impl McpArgs {
+    fn config(&self) -> Result<Option<McpServerConfig>> {
+        let timeout = Duration::from_secs_f64(self.timeout.max(0.001));
+        if let Some(url) = &self.mcp_url {
+            return Ok(Some(McpServerConfig::http(url).with_timeout(timeout)));
+        }
+        let Some(line) = &self.mcp else {
+            return Ok(None);
+        };
+        let mut parts = line.split_whitespace().map(str::to_string);
+        let command = parts.next().context("--mcp needs a command")?;
+        let mut cfg = McpServerConfig::stdio(command, parts.collect()).with_timeout(timeout);
+        for kv in &self.mcp_env {
+            let (k, v) = kv
+                .split_once('=')
+                .with_context(|| format!("--mcp-env `{kv}`: expected KEY=VALUE"))?;
+            cfg = cfg.with_env(k, v);
+        }
+        if let Some(cwd) = &self.mcp_cwd {
+            cfg = cfg.with_cwd(cwd.clone());
+        }
+        Ok(Some(cfg))
+    }
+}
+
+/// `envace tasks DOMAIN [--split train|test] [--json]`
+#[derive(Debug, Args)]
+pub struct TasksArgs {
+    pub domain: String,
+    #[arg(long)]
+    pub split: Option<Split>,
+    /// Read tasks from this file instead of the built-in set.
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    /// Print the tasks in the task-file JSON format (see docs/TASKS.md).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `envace eval bfcl --data DIR --category NAME --responses FILE [--json]`
+#[derive(Debug, Args)]
+pub struct BfclEvalArgs {
+    /// Directory holding BFCL_v4_<category>.json and possible_answer/.
+    #[arg(long)]
+    pub data: PathBuf,
+    #[arg(long)]
+    pub category: String,
+    /// JSON Lines of {"id", "calls": [{"name", "arguments"}]}.
+    #[arg(long)]
+    pub responses: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn print_json(v: &Value) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, v)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn annotations_text(t: &ToolSpec) -> String {
+    let a = &t.annotations;
+    let mut tags = Vec::new();
+    if a.read_only {
+        tags.push("read-only");
+    }
+    if a.destructive {
+        tags.push("destructive");
+    }
+    if a.idempotent {
+        tags.push("idempotent");
+    }
+    if a.open_world {
+        tags.push("open-world");
+    }
+    if t.is_irreversible() {
+        tags.push("IRREVERSIBLE");
+    }
+    tags.join(", ")
+}
+
+/// Run `envace env …`.
+pub async fn run_env(cmd: EnvCommand) -> Result<()> {
+    match cmd {
+        EnvCommand::List { json } => run_list(json),
+        EnvCommand::Tools { domain, mcp, json } => run_tools(domain, &mcp, json).await,
+        EnvCommand::Call { target, mcp, task } => run_call(target, &mcp, task).await,
+        EnvCommand::CheckGold {
+            domain,
+            tasks,
+            json,
+        } => run_check_gold(&domain, tasks, json),
+        EnvCommand::Serve { domain, task } => {
+            let domain = Domain::from_name(&domain)?;
+            let mut env = DomainEnv::new(domain);
+            if let Some(id) = task {
+                env.reset(Some(&id)).await?;
+            }
+            crate::env::mcp_server::serve_stdio(env).await?;
+            Ok(())
+        }
+    }
+}
+
+fn run_list(json: bool) -> Result<()> {
+    let rows: Vec<Value> = Domain::ALL
+        .into_iter()
+        .map(|d| {
+            let tools = d.tools();
+            let irr: Vec<&str> = tools
+                .iter()
+                .filter(|t| t.is_irreversible())
+                .map(|t| t.name.as_str())
+                .collect();
+            json!({
+                "name": d.name(),
+                "description": d.description(),
+                "tools": tools.len(),
+                "irreversible": irr,
+                "tasks": {
+                    "train": list_tasks(d, Some(Split::Train)).len(),
+                    "test": list_tasks(d, Some(Split::Test)).len(),
+                },
+            })
+        })
+        .collect();
+    if json {
+        return print_json(&Value::Array(rows));
+    }
+    for r in rows {
+        println!(
+            "{:<8} {} tools, {} train / {} test tasks: {}",
+            r["name"].as_str().unwrap_or_default(),
+            r["tools"],
+            r["tasks"]["train"],
+            r["tasks"]["test"],
+            r["description"].as_str().unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+async fn open_env(domain: Option<&str>, mcp: &McpArgs) -> Result<Box<dyn Environment>> {
+    match (domain, mcp.config()?) {
+        (Some(_), Some(_)) => bail!("give either a DOMAIN or --mcp/--mcp-url, not both"),
+        (None, None) => bail!(
+            "give a DOMAIN ({}) or --mcp 'CMD ARGS'",
+            Domain::known_names()
+        ),
+        (Some(d), None) => Ok(Box::new(DomainEnv::new(Domain::from_name(d)?))),
+        (None, Some(cfg)) => Ok(Box::new(McpEnv::connect(cfg).await?)),
+    }
+}
+
+async fn run_tools(domain: Option<String>, mcp: &McpArgs, json: bool) -> Result<()> {
+    let mut env = open_env(domain.as_deref(), mcp).await?;
+    let tools = env.tools().await?;
+    if json {
+        return print_json(&serde_json::to_value(&tools)?);
+    }
+    for t in &tools {
+        println!("{}  [{}]", t.name, annotations_text(t));
+        if !t.description.is_empty() {
+            println!("    {}", t.description.lines().next().unwrap_or_default());
+        }
+        println!("    {}", t.input_schema);
+    }
+    Ok(())
+}
+
+async fn run_call(target: Vec<String>, mcp: &McpArgs, task: Option<String>) -> Result<()> {
+    let is_mcp = mcp.mcp.is_some() || mcp.mcp_url.is_some();
+    let (domain, tool, args) = match (is_mcp, target.as_slice()) {
+        (true, [t]) => (None, t.clone(), "{}".to_string()),
+        (true, [t, a]) => (None, t.clone(), a.clone()),
+        (false, [d, t]) => (Some(d.clone()), t.clone(), "{}".to_string()),
+        (false, [d, t, a]) => (Some(d.clone()), t.clone(), a.clone()),
+        _ => bail!(
+            "usage: envace env call DOMAIN TOOL 'JSON' | envace env call --mcp CMD TOOL 'JSON'"
+        ),
+    };
+    let arguments: Value =
+        serde_json::from_str(&args).with_context(|| format!("arguments are not JSON: {args}"))?;
+    let mut env = open_env(domain.as_deref(), mcp).await?;
+    if task.is_some() {
+        env.reset(task.as_deref()).await?;
+    }
+    let resp = env
+        .call(&ToolCall {
+            name: tool,
+            arguments,
+        })
+        .await?;
+    println!("{}", serde_json::to_string(&resp.to_json())?);
+    if let ToolResponse::Error { .. } = resp {
+        std::process::exit(2);
+    }
+    Ok(())
+}
+
+/// The outcome of checking one task's gold solution.
+fn check_one(task: &Task) -> Result<(), String> {
+    // Live replay through the environment: declared errors must be the ones returned.
+    let domain = task.domain().map_err(|e| e.to_string())?;
+    let mut env = DomainEnv::new(domain);
+    env.reset_to(task.clone()).map_err(|e| e.to_string())?;
+    for (ti, turn) in task.turns.iter().enumerate() {
+        for (ai, a) in turn.actions.iter().enumerate() {
+            let resp = env.call_sync(&a.to_call()).map_err(|e| e.to_string())?;
+            let got = match &resp {
+                ToolResponse::Error { code, .. } => Some(code.as_str()),
+                ToolResponse::Success { .. } => None,
+            };
+            if got != a.error.as_deref() {
+                return Err(format!(
+                    "turns[{ti}].actions[{ai}] {}: got {}",
+                    a.name,
+                    resp.to_json()
+                ));
+            }
+        }
+    }
+    let score = score_task(task, &gold_trace(task)).map_err(|e| e.to_string())?;
+    if score.reward < 1.0 || score.partial < 1.0 {
+        let failed: Vec<String> = score
+            .checklist
+            .iter()
+            .filter(|c| !c.passed)
+            .map(|c| format!("{}: {}", c.name, c.reason))
+            .collect();
+        return Err(format!(
+            "reward {} partial {:.3}: {}",
+            score.reward,
+            score.partial,
+            failed.join("; ")
+        ));
+    }
+    Ok(())
+}
+
+fn run_check_gold(domain: &str, file: Option<PathBuf>, json: bool) -> Result<()> {
+    let domain = Domain::from_name(domain)?;
+    let tasks: Vec<Task> = match file {
+        Some(p) => load_task_file(&p)?
+            .into_iter()
+            .filter(|t| t.domain == domain.name())
+            .collect(),
+        None => builtin_tasks(domain).to_vec(),
+    };
+    let mut failures = Vec::new();
+    for t in &tasks {
+        if let Err(e) = check_one(t) {
+            failures.push((t.id.clone(), e));
+        }
+    }
+    let passed = tasks.len() - failures.len();
+    let mean_reward = if tasks.is_empty() {
+        0.0
+    } else {
+        passed as f64 / tasks.len() as f64
+    };
+    if json {
+        print_json(&json!({
+            "domain": domain.name(),
+            "tasks": tasks.len(),
+            "passed": passed,
+            "mean_reward": mean_reward,
+            "failures": failures.iter().map(|(id, e)| json!({"id": id, "error": e})).collect::<Vec<_>>(),
+        }))?;
+    } else {
+        for (id, e) in &failures {
+            println!("FAIL {id}: {e}");
+        }
+        println!(
+            "{}: {passed}/{} gold solutions score 1.0 (mean reward {mean_reward:.3})",
+            domain.name(),
+            tasks.len()
+        );
+    }
+    if !failures.is_empty() {
+        bail!("{} gold solutions did not score 1.0", failures.len());
+    }
+    Ok(())
+}
+
+/// Run `envace tasks …`.
+pub fn run_tasks(args: TasksArgs) -> Result<()> {
+    let domain = Domain::from_name(&args.domain)?;
+    let tasks: Vec<Task> = match &args.file {
+        Some(p) => load_task_file(p)?,
+        None => builtin_tasks(domain).to_vec(),
+    };
+    let tasks: Vec<Task> = tasks
+        .into_iter()
+        .filter(|t| t.domain == domain.name())
+        .filter(|t| args.split.is_none() || t.split == args.split)
+        .collect();
+    if args.json {
+        return print_json(&serde_json::to_value(&tasks)?);
+    }
+    let mut out = std::io::stdout().lock();
+    for t in &tasks {
+        let line = writeln!(
+            out,
+            "{}  {:<22} {}",
+            t.id,
+            t.kind,
+            t.user_turns().join(" / ")
+        );
+        match line {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            other => other?,
+        }
+    }
+    Ok(())
+}
+
+/// Run `envace eval bfcl …`.
+pub fn run_eval_bfcl(args: BfclEvalArgs) -> Result<()> {
+    let report = crate::env::bfcl::evaluate_files(&args.data, &args.category, &args.responses)?;
+    if args.json {
+        return print_json(&json!({
+            "category": args.category,
+            "accuracy": report.accuracy(),
+            "correct": report.correct,
+            "total": report.total,
+        }));
+    }
+    println!("category: {}", args.category);
+    println!("accuracy: {:.4}", report.accuracy());
+    println!("correct: {}", report.correct);
+    println!("total: {}", report.total);
+    Ok(())
+}

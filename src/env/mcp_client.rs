@@ -1,0 +1,770 @@
+//! Any MCP server as an [`Environment`], through the rmcp client: tools and annotations from
+//! `tools/list`, calls through `tools/call` (structured content preferred, text content parsed
+//! as JSON when it is JSON), a per-call timeout, and MCP task files whose success checks are
+//! read-only calls made after the episode.
+//!
+//! A server that crashes, hangs, exits early or talks garbage becomes an [`EnvError`] naming the
+//! server, with the tail of its stderr; it never panics or blocks the caller past the timeout.
+//! Errors the server reports for a call (`isError`, a JSON-RPC error) are the agent's to read:
+//! they become [`ToolResponse::Error`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock};
+use rmcp::service::{RoleClient, RunningService};
+use rmcp::{ServiceError, ServiceExt};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+
+use crate::env::reward::state_hash;
+use crate::env::{
+    ChecklistItem, EnvError, Environment, EpisodeTrace, Score, ToolAnnotations, ToolResponse,
+    ToolSpec,
+};
+use crate::message::ToolCall;
+
+/// How to reach a server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum McpTransport {
+    /// A child process speaking MCP on stdin/stdout.
+    Stdio {
+        command: String,
+        #[serde(default)]
+        args: Vec<String>,
+        #[serde(default)]
+        env: BTreeMap<String, String>,
+        #[serde(default)]
+        cwd: Option<PathBuf>,
+    },
+    /// A streamable-HTTP endpoint.
+    Http { url: String },
+}
+
+/// A server to connect to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct McpServerConfig {
+    /// Shown in errors and as the environment name (`mcp:NAME`).
+    pub name: String,
+    pub transport: McpTransport,
+    /// Limit for each `tools/call` and `tools/list`.
+    pub call_timeout: Duration,
+    /// Limit for start-up and the initialize handshake.
+    pub connect_timeout: Duration,
+}
+
+impl McpServerConfig {
+    pub fn stdio(command: impl Into<String>, args: Vec<String>) -> Self {
+        let command = command.into();
+        let name = server_name(&command, &args);
+        Self {
+            name,
+            transport: McpTransport::Stdio {
+                command,
+                args,
+                env: BTreeMap::new(),
+                cwd: None,
+            },
+            call_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(30),
+        }
+    }
+
+    pub fn http(url: impl Into<String>) -> Self {
+        let url = url.into();
+        Self {
+            name: url.clone(),
+            transport: McpTransport::Http { url },
+            call_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(30),
+        }
+    }
+
+    pub fn with_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        if let McpTransport::Stdio { env, .. } = &mut self.transport {
+            env.insert(key.into(), value.into());
+        }
+        self
+    }
+
+    pub fn with_cwd(mut self, dir: impl Into<PathBuf>) -> Self {
+        if let McpTransport::Stdio { cwd, .. } = &mut self.transport {
+            *cwd = Some(dir.into());
+        }
+        self
+    }
+
+    /// Sets both the call and the connect timeout.
+    pub fn with_timeout(mut self, t: Duration) -> Self {
+        self.call_timeout = t;
+        self.connect_timeout = t;
+        self
+    }
+
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+}
+
+/// A readable name: the package directory for `node …/server-x/dist/index.js`, else the
+/// executable's file name.
+fn server_name(command: &str, args: &[String]) -> String {
+    let script = args
+        .iter()
+        .find(|a| a.ends_with(".js") || a.ends_with(".py"));
+    if let Some(s) = script {
+        let p = Path::new(s);
+        if let Some(pkg) = p
+            .ancestors()
+            .find(|a| {
+                a.parent()
+                    .and_then(|x| x.file_name())
+                    .is_some_and(|n| n == "@modelcontextprotocol" || n == "node_modules")
+            })
+            .and_then(|a| a.file_name())
+        {
+            return pkg.to_string_lossy().into_owned();
+        }
+        return p
+            .file_name()
+            .map_or_else(|| s.clone(), |f| f.to_string_lossy().into_owned());
+    }
+    Path::new(command)
+        .file_name()
+        .map_or_else(|| command.to_string(), |f| f.to_string_lossy().into_owned())
+}
+
+/// The last few KiB a server wrote to stderr, and the first stdout line that was not JSON
+/// (for error messages).
+#[derive(Debug, Clone, Default)]
+struct StderrTail(Arc<Mutex<String>>, Arc<Mutex<Option<String>>>);
+
+impl StderrTail {
+    fn note_garbage(&self, line: &str) {
+        if let Ok(mut g) = self.1.lock()
+            && g.is_none()
+        {
+            let short: String = line.chars().take(120).collect();
+            *g = Some(format!("{short:?}"));
+        }
+    }
+    fn garbage(&self) -> Option<String> {
+        self.1.lock().ok().and_then(|g| g.clone())
+    }
+    const KEEP: usize = 2048;
+    fn push(&self, s: &str) {
+        if let Ok(mut t) = self.0.lock() {
+            t.push_str(s);
+            if t.len() > Self::KEEP {
+                let mut cut = t.len() - Self::KEEP;
+                while !t.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                t.drain(..cut);
+            }
+        }
+    }
+    fn get(&self) -> String {
+        self.0
+            .lock()
+            .map(|t| t.trim().to_string())
+            .unwrap_or_default()
+    }
+}
+
+fn spawn_stderr_reader(mut se: tokio::process::ChildStderr, tail: StderrTail) {
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1024];
+        while let Ok(n) = se.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            tail.push(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+}
+
+/// Forward the server's stdout line by line, noting (and dropping) lines that are not JSON, so
+/// that a garbage-talking server is named as such instead of surfacing as a bare timeout.
+fn spawn_stdout_vetter(
+    stdout: tokio::process::ChildStdout,
+    tail: StderrTail,
+) -> tokio::io::ReadHalf<tokio::io::DuplexStream> {
+    let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.trim().is_empty() {
+                continue;
+            }
+            if serde_json::from_str::<Value>(&line).is_err() {
+                tail.note_garbage(&line);
+                continue;
+            }
+            if theirs.write_all(line.as_bytes()).await.is_err()
+                || theirs.write_all(b"\n").await.is_err()
+            {
+                break;
+            }
+        }
+        // Dropping `theirs` closes the client's side: the service sees the server gone.
+    });
+    tokio::io::split(ours).0
+}
+
+/// A connected MCP server.
+pub struct McpEnv {
+    config: McpServerConfig,
+    client: RunningService<RoleClient, ()>,
+    /// The server process (stdio); killed when the environment is dropped.
+    process: Option<tokio::process::Child>,
+    stderr: StderrTail,
+    tools: Option<Vec<ToolSpec>>,
+    tasks: Vec<McpTask>,
+    task: Option<McpTask>,
+}
+
+impl std::fmt::Debug for McpEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpEnv")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl McpEnv {
+    /// Start (stdio) or reach (HTTP) the server and complete the MCP handshake.
+    pub async fn connect(config: McpServerConfig) -> Result<Self, EnvError> {
+        let stderr = StderrTail::default();
+        let process;
+        let err = |message: String| EnvError::Mcp {
+            server: config.name.clone(),
+            message,
+        };
+        let transport = match &config.transport {
+            McpTransport::Http { url } => {
+                return Err(err(format!(
+                    "streamable HTTP ({url}) is not supported by this build; use a stdio server"
+                )));
+            }
+            McpTransport::Stdio {
+                command,
+                args,
+                env,
+                cwd,
+            } => {
+                let mut cmd = tokio::process::Command::new(command);
+                cmd.args(args)
+                    .envs(env)
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .kill_on_drop(true);
+                if let Some(d) = cwd {
+                    cmd.current_dir(d);
+                }
+                let mut child = cmd
+                    .spawn()
+                    .map_err(|e| err(format!("cannot start `{command}`: {e}")))?;
+                let (Some(stdin), Some(stdout), Some(child_stderr)) =
+                    (child.stdin.take(), child.stdout.take(), child.stderr.take())
+                else {
+                    return Err(err("cannot capture the server's stdio".into()));
+                };
+                spawn_stderr_reader(child_stderr, stderr.clone());
+                let reader = spawn_stdout_vetter(stdout, stderr.clone());
+                process = Some(child);
+                (reader, stdin)
+            }
+        };
+        let client = match tokio::time::timeout(config.connect_timeout, ().serve(transport)).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                // Give the stderr reader a moment to collect the reason.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return Err(err(with_tail(
+                    format!("handshake failed (server exited or answered garbage): {e}"),
+                    &stderr,
+                )));
+            }
+            Err(_) => {
+                let garbage = stderr
+                    .garbage()
+                    .map(|l| format!(" (it wrote non-JSON-RPC output: {l})"))
+                    .unwrap_or_default();
+                return Err(err(with_tail(
+                    format!(
+                        "no valid answer to initialize within {:.1}s{garbage}",
+                        config.connect_timeout.as_secs_f64()
+                    ),
+                    &stderr,
+                )));
+            }
+        };
+        Ok(Self {
+            config,
+            client,
+            process,
+            stderr,
+            tools: None,
+            tasks: Vec::new(),
+            task: None,
+        })
+    }
+
+    /// Attach MCP tasks (see [`load_mcp_task_file`]) that `reset` can select.
+    pub fn with_tasks(mut self, tasks: Vec<McpTask>) -> Self {
+        self.tasks = tasks;
+        self
+    }
+
+    pub fn config(&self) -> &McpServerConfig {
+        &self.config
+    }
+
+    /// What the server reported about itself in the handshake.
+    pub fn server_info(&self) -> Option<Value> {
+        self.client
+            .peer_info()
+            .and_then(|i| serde_json::to_value(&*i).ok())
+    }
+
+    /// Shut the server down (stdio: close its stdin, then terminate it).
+    pub async fn close(mut self) -> Result<(), EnvError> {
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.client.close()).await;
+        Ok(())
+    }
+
+    fn error(&mut self, message: String) -> EnvError {
+        let status = match self.process.as_mut().map(tokio::process::Child::try_wait) {
+            Some(Ok(Some(st))) => format!(" (server exited: {st})"),
+            _ => String::new(),
+        };
+        EnvError::Mcp {
+            server: self.config.name.clone(),
+            message: with_tail(format!("{message}{status}"), &self.stderr),
+        }
+    }
+
+    fn gone(&mut self, e: &ServiceError) -> EnvError {
+        self.error(format!(
+            "the server is gone (crashed, exited or sent garbage): {e}"
+        ))
+    }
+
+    async fn raw_call(&mut self, call: &ToolCall) -> Result<ToolResponse, EnvError> {
+        if self.client.is_closed() {
+            return Err(self.error("the server is no longer running".into()));
+        }
+        let args = match &call.arguments {
+            Value::Object(m) => Some(m.clone()),
+            Value::Null => None,
+            _ => {
+                return Ok(ToolResponse::Error {
+                    code: "invalid_arguments".into(),
+                    message: "arguments must be a JSON object".into(),
+                });
+            }
+        };
+        let mut params = CallToolRequestParams::new(call.name.clone());
+        if let Some(a) = args {
+            params = params.with_arguments(a);
+        }
+        let t = self.config.call_timeout;
+        match tokio::time::timeout(t, self.client.peer().call_tool(params)).await {
+            Err(_) => match self.stderr.garbage() {
+                // The transport drops lines it cannot decode: say so rather than just "timeout".
+                Some(line) => Err(self.error(format!(
+                    "no valid answer to `{}` within {:.1}s; the server wrote non-JSON-RPC output: {line}",
+                    call.name,
+                    t.as_secs_f64()
+                ))),
+                None => Err(EnvError::Timeout {
+                    tool: call.name.clone(),
+                    seconds: t.as_secs_f64(),
+                }),
+            },
+            Ok(Ok(result)) => Ok(to_response(result)),
+            Ok(Err(ServiceError::McpError(e))) => Ok(ToolResponse::Error {
+                code: format!("mcp_{}", e.code.0),
+                message: e.message.to_string(),
+            }),
+            Ok(Err(e)) => Err(self.gone(&e)),
+        }
+    }
+}
+
+fn with_tail(message: String, tail: &StderrTail) -> String {
+    let t = tail.get();
+    if t.is_empty() {
+        message
+    } else {
+        format!("{message}; server stderr: {t}")
+    }
+}
+
+/// A `tools/call` result as the agent reads it: `structuredContent` when present; otherwise the
+/// text content (parsed as JSON when it is a JSON object or array, else `{"text": …}`).
+pub fn to_response(r: CallToolResult) -> ToolResponse {
+    let texts: Vec<String> = r
+        .content
+        .iter()
+        .filter_map(ContentBlock::as_text)
+        .map(|t| t.text.clone())
+        .collect();
+    let joined = texts.join("\n");
+    if r.is_error == Some(true) {
+        // Our own servers send {"error": {code, message}}: keep the code.
+        if let Some(e) = r.structured_content.as_ref().and_then(|v| v.get("error"))
+            && let (Some(code), Some(message)) = (
+                e.get("code").and_then(Value::as_str),
+                e.get("message").and_then(Value::as_str),
+            )
+        {
+            return ToolResponse::Error {
+                code: code.to_string(),
+                message: message.to_string(),
+            };
+        }
+        return ToolResponse::Error {
+            code: "tool_error".into(),
+            message: if joined.is_empty() {
+                r.structured_content
+                    .map(|v| v.to_string())
+                    .unwrap_or_else(|| "the tool reported an error".into())
+            } else {
+                joined
+            },
+        };
+    }
+    if let Some(v) = r.structured_content {
+        return ToolResponse::Success { value: v };
+    }
+    let others = r.content.len() - texts.len();
+    let value = match serde_json::from_str::<Value>(joined.trim()) {
+        Ok(v @ (Value::Object(_) | Value::Array(_))) if others == 0 => v,
+        _ => {
+            let mut o = json!({ "text": joined });
+            if others > 0 {
+                let kinds: Vec<&str> = r
+                    .content
+                    .iter()
+                    .filter_map(|c| match c {
+                        ContentBlock::Text(_) => None,
+                        ContentBlock::Image(_) => Some("image"),
+                        ContentBlock::Audio(_) => Some("audio"),
+                        ContentBlock::Resource(_) => Some("resource"),
+                        ContentBlock::ResourceLink(_) => Some("resource_link"),
+                        _ => Some("other"),
+                    })
+                    .collect();
+                o["other_content"] = json!(kinds);
+            }
+            o
+        }
+    };
+    ToolResponse::Success { value }
+}
+
+/// An rmcp tool as a [`ToolSpec`]. MCP defaults apply to absent hints: not read-only,
+/// destructive, not idempotent, open-world.
+pub fn to_spec(t: &rmcp::model::Tool) -> ToolSpec {
+    let a = t.annotations.as_ref();
+    let read_only = a.and_then(|a| a.read_only_hint).unwrap_or(false);
+    ToolSpec {
+        name: t.name.to_string(),
+        description: t.description.as_deref().unwrap_or_default().to_string(),
+        input_schema: Value::Object((*t.input_schema).clone()),
+        annotations: ToolAnnotations {
+            read_only,
+            destructive: !read_only && a.and_then(|a| a.destructive_hint).unwrap_or(true),
+            idempotent: a.and_then(|a| a.idempotent_hint).unwrap_or(false),
+            open_world: a.and_then(|a| a.open_world_hint).unwrap_or(true),
+        },
+    }
+}
+
+#[async_trait]
+impl Environment for McpEnv {
+    fn name(&self) -> String {
+        format!("mcp:{}", self.config.name)
+    }
+
+    async fn tools(&mut self) -> Result<Vec<ToolSpec>, EnvError> {
+        if let Some(t) = &self.tools {
+            return Ok(t.clone());
+        }
+        if self.client.is_closed() {
+            return Err(self.error("the server is no longer running".into()));
+        }
+        let t = self.config.call_timeout;
+        let tools = match tokio::time::timeout(t, self.client.peer().list_all_tools()).await {
+            Err(_) => {
+                return Err(EnvError::Timeout {
+                    tool: "tools/list".into(),
+                    seconds: t.as_secs_f64(),
+                });
+            }
+            Ok(Err(ServiceError::McpError(e))) => {
+                return Err(self.error(format!("tools/list failed: {}", e.message)));
+            }
+            Ok(Err(e)) => return Err(self.gone(&e)),
+            Ok(Ok(list)) => list.iter().map(to_spec).collect::<Vec<_>>(),
+        };
+        self.tools = Some(tools.clone());
+        Ok(tools)
+    }
+
+    /// Selects a task; the server's own state is not reset (MCP has no reset).
+    async fn reset(&mut self, task_id: Option<&str>) -> Result<(), EnvError> {
+        self.task = match task_id {
+            None => None,
+            Some(id) => Some(
+                self.tasks
+                    .iter()
+                    .find(|t| t.id == id)
+                    .cloned()
+                    .ok_or_else(|| EnvError::UnknownTask(id.to_string()))?,
+            ),
+        };
+        Ok(())
+    }
+
+    async fn call(&mut self, call: &ToolCall) -> Result<ToolResponse, EnvError> {
+        self.raw_call(call).await
+    }
+
+    /// The results of the current task's check calls (read-only); `{}` without a task.
+    async fn snapshot(&mut self) -> Result<Value, EnvError> {
+        let Some(task) = self.task.clone() else {
+            return Ok(json!({}));
+        };
+        let mut out = Vec::new();
+        for c in &task.checks {
+            out.push(self.raw_call(&c.call).await?.to_json());
+        }
+        Ok(Value::Array(out))
+    }
+
+    async fn state_hash(&mut self) -> Result<String, EnvError> {
+        let snap = self.snapshot().await?;
+        Ok(state_hash(&snap))
+    }
+
+    async fn score(&mut self, trace: &EpisodeTrace) -> Result<Score, EnvError> {
+        let task = self.task.clone().ok_or_else(|| {
+            EnvError::Other("no task: reset to an MCP task before scoring".into())
+        })?;
+        let mut checklist = Vec::new();
+        for (i, c) in task.checks.iter().enumerate() {
+            let resp = self.raw_call(&c.call).await?;
+            let (passed, reason) = c.evaluate(&resp);
+            checklist.push(ChecklistItem {
+                name: c
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| format!("check {i}: {}", c.call.name)),
+                weight: c.weight,
+                passed,
+                reason,
+            });
+        }
+        for f in &task.required_facts {
+            let lf = f.to_lowercase();
+            let hit = trace
+                .agent_messages
+                .iter()
+                .any(|m| m.to_lowercase().contains(&lf));
+            checklist.push(ChecklistItem {
+                name: format!("tells the user `{f}`"),
+                weight: 1.0,
+                passed: hit,
+                reason: if hit {
+                    "mentioned".into()
+                } else {
+                    "not mentioned".into()
+                },
+            });
+        }
+        let total: f64 = checklist.iter().map(|c| c.weight).sum();
+        let got: f64 = checklist
+            .iter()
+            .filter(|c| c.passed)
+            .map(|c| c.weight)
+            .sum();
+        let all = checklist.iter().all(|c| c.passed);
+        Ok(Score {
+            reward: if all && trace.finished_normally {
+                1.0
+            } else {
+                0.0
+            },
+            partial: if total > 0.0 { got / total } else { 0.0 },
+            checklist,
+        })
+    }
+
+    fn user_turns(&self) -> Vec<String> {
+        self.task
+            .as_ref()
+            .map(|t| t.turns.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// A success check of an MCP task: a call made after the episode, then a JSON pointer into its
+/// result and a condition on what it points at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpCheck {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default = "one")]
+    pub weight: f64,
+    /// Should be a read-only tool.
+    pub call: ToolCall,
+    /// RFC 6901 pointer into the result JSON (`""`: the whole result).
+    #[serde(default)]
+    pub path: String,
+    /// The pointed value must equal this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub equals: Option<Value>,
+    /// The pointed value's text (a string as is, else its JSON) must contain this,
+    /// case-insensitively.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contains: Option<String>,
+    /// The call must fail (true) or succeed (false, the default).
+    #[serde(default)]
+    pub expect_error: bool,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+impl McpCheck {
+    fn evaluate(&self, resp: &ToolResponse) -> (bool, String) {
+        if resp.is_error() != self.expect_error {
+            return (false, format!("call returned {}", resp.to_json()));
+        }
+        let root = resp.to_json();
+        let Some(v) = root.pointer(&self.path) else {
+            return (false, format!("no value at `{}` in {root}", self.path));
+        };
+        if let Some(want) = &self.equals
+            && v != want
+        {
+            return (false, format!("`{}` is {v}, want {want}", self.path));
+        }
+        if let Some(sub) = &self.contains {
+            let text = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            if !text.to_lowercase().contains(&sub.to_lowercase()) {
+                return (false, format!("`{}` does not contain `{sub}`", self.path));
+            }
+        }
+        (true, "ok".into())
+    }
+}
+
+/// A task for an MCP environment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpTask {
+    pub id: String,
+    /// The user's messages, in order.
+    pub turns: Vec<String>,
+    #[serde(default)]
+    pub required_facts: Vec<String>,
+    #[serde(default)]
+    pub checks: Vec<McpCheck>,
+}
+
+/// An MCP task file: the server to start (optional) and the tasks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpTaskFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<McpTransport>,
+    pub tasks: Vec<McpTask>,
+}
+
+/// Load an MCP task file; errors name the file, the task and the field.
+pub fn load_mcp_task_file(path: &Path) -> Result<McpTaskFile, EnvError> {
+    let shown = path.display().to_string();
+    let bad = |task: &str, field: &str, message: String| EnvError::BadTask {
+        path: shown.clone(),
+        task: task.to_string(),
+        field: field.to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad("-", "-", e.to_string()))?;
+    let root: Value =
+        serde_json::from_str(&text).map_err(|e| bad("-", "-", format!("not JSON: {e}")))?;
+    let server = match root.get("server") {
+        None => None,
+        Some(s) => Some(
+            serde_json::from_value::<McpTransport>(s.clone())
+                .map_err(|e| bad("-", "server", e.to_string()))?,
+        ),
+    };
+    let items = root
+        .get("tasks")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("-", "tasks", "expected an array of tasks".into()))?;
+    let mut tasks = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let id = item
+            .get("id")
+            .and_then(Value::as_str)
+            .map_or_else(|| format!("#{i}"), str::to_string);
+        let obj = item
+            .as_object()
+            .ok_or_else(|| bad(&id, "-", "a task must be an object".into()))?;
+        for k in obj.keys() {
+            if !["id", "turns", "required_facts", "checks"].contains(&k.as_str()) {
+                return Err(bad(&id, k, "unknown field".into()));
+            }
+        }
+        for (field, required) in [("id", true), ("turns", true)] {
+            if required && !obj.contains_key(field) {
+                return Err(bad(&id, field, "missing field".into()));
+            }
+        }
+        if let Some(checks) = obj.get("checks").and_then(Value::as_array) {
+            for (ci, c) in checks.iter().enumerate() {
+                if let Err(e) = serde_json::from_value::<McpCheck>(c.clone()) {
+                    return Err(bad(&id, &format!("checks[{ci}]"), e.to_string()));
+                }
+            }
+        }
+        fn field<T: serde::de::DeserializeOwned + Default>(
+            obj: &serde_json::Map<String, Value>,
+            key: &str,
+        ) -> Result<T, String> {
+            obj.get(key).map_or(Ok(T::default()), |v| {
+                serde_json::from_value(v.clone()).map_err(|e| e.to_string())
+            })
+        }
+        let task = McpTask {
+            id: field::<String>(obj, "id").map_err(|m| bad(&id, "id", m))?,
+            turns: field(obj, "turns").map_err(|m| bad(&id, "turns", m))?,
+            required_facts: field(obj, "required_facts")
+                .map_err(|m| bad(&id, "required_facts", m))?,
+            checks: field(obj, "checks").map_err(|m| bad(&id, "checks", m))?,
+        };
+        if task.turns.is_empty() {
+            return Err(bad(&id, "turns", "needs at least one turn".into()));
+        }
+        tasks.push(task);
+    }
+    Ok(McpTaskFile { server, tasks })
+}

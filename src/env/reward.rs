@@ -1,0 +1,163 @@
+//! τ²-style rewards for the built-in domains: a state hash over canonical JSON, and the score of
+//! a finished episode. Scoring replays calls on fresh copies of the task's initial state and never
+//! touches a live environment, so it can run at any time and any number of times.
+//!
+//! reward = 1 only when the episode finished normally, the state reached by the agent's calls
+//! equals the state reached by the gold calls, and every required fact appears (case-insensitive)
+//! in some agent message. `partial` is the weighted checklist fraction.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::env::tasks::{Check, Task};
+use crate::env::{ChecklistItem, EnvError, EpisodeTrace, Score};
+use crate::message::ToolCall;
+
+/// JSON with object keys sorted at every level and no whitespace.
+pub fn canonical_json(v: &Value) -> String {
+    fn write(v: &Value, out: &mut String) {
+        match v {
+            Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                out.push('{');
+                for (i, k) in keys.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&Value::String((*k).clone()).to_string());
+                    out.push(':');
+                    if let Some(x) = m.get(*k) {
+                        write(x, out);
+                    }
+                }
+                out.push('}');
+            }
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write(x, out);
+                }
+                out.push(']');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let mut out = String::new();
+    write(v, &mut out);
+    out
+}
+
+/// sha256 (hex) of the canonical JSON of a state.
+pub fn state_hash(v: &Value) -> String {
+    hex::encode(Sha256::digest(canonical_json(v).as_bytes()))
+}
+
+/// Replay calls on a fresh copy of the task's initial state; returns the final state.
+pub fn replay(task: &Task, calls: &[ToolCall]) -> Result<Value, EnvError> {
+    let domain = task.domain()?;
+    let mut state = task.initial_state.clone();
+    for c in calls {
+        domain.apply(&mut state, c)?;
+    }
+    Ok(state)
+}
+
+/// The hash of the state the gold calls reach.
+pub fn gold_hash(task: &Task) -> Result<String, EnvError> {
+    Ok(state_hash(&replay(task, &task.gold_actions())?))
+}
+
+fn mentions(messages: &[String], fact: &str) -> bool {
+    let f = fact.to_lowercase();
+    messages.iter().any(|m| m.to_lowercase().contains(&f))
+}
+
+/// Score a finished episode of `task`.
+pub fn score_task(task: &Task, trace: &EpisodeTrace) -> Result<Score, EnvError> {
+    let gold = gold_hash(task)?;
+    let reached = state_hash(&replay(task, &trace.actions)?);
+    let state_ok = gold == reached;
+    let missing: Vec<&String> = task
+        .required_facts
+        .iter()
+        .filter(|f| !mentions(&trace.agent_messages, f))
+        .collect();
+    let mut checklist = Vec::new();
+    for spec in task.effective_checklist() {
+        let (passed, reason) = match &spec.check {
+            Check::Call { name, arguments } => {
+                let hit = trace
+                    .actions
+                    .iter()
+                    .any(|a| &a.name == name && &a.arguments == arguments);
+                (
+                    hit,
+                    if hit {
+                        "the call was made".to_string()
+                    } else {
+                        "no such call".to_string()
+                    },
+                )
+            }
+            Check::Fact { text } => {
+                let hit = mentions(&trace.agent_messages, text);
+                (
+                    hit,
+                    if hit {
+                        "mentioned".to_string()
+                    } else {
+                        format!("no agent message mentions `{text}`")
+                    },
+                )
+            }
+            Check::State => (
+                state_ok,
+                if state_ok {
+                    "state hash matches".to_string()
+                } else {
+                    format!("state hash {} != gold {}", &reached[..12], &gold[..12])
+                },
+            ),
+            Check::Finished => (
+                trace.finished_normally,
+                if trace.finished_normally {
+                    "finished normally".to_string()
+                } else {
+                    "ended abnormally".to_string()
+                },
+            ),
+        };
+        checklist.push(ChecklistItem {
+            name: spec.name,
+            weight: spec.weight,
+            passed,
+            reason,
+        });
+    }
+    let total: f64 = checklist.iter().map(|c| c.weight).sum();
+    let got: f64 = checklist
+        .iter()
+        .filter(|c| c.passed)
+        .map(|c| c.weight)
+        .sum();
+    let partial = if total > 0.0 { got / total } else { 0.0 };
+    let success = trace.finished_normally && state_ok && missing.is_empty();
+    Ok(Score {
+        reward: if success { 1.0 } else { 0.0 },
+        partial,
+        checklist,
+    })
+}
+
+/// The trace an expert produces: gold calls, gold replies, finished normally.
+pub fn gold_trace(task: &Task) -> EpisodeTrace {
+    EpisodeTrace {
+        actions: task.gold_actions(),
+        agent_messages: task.gold_replies(),
+        finished_normally: true,
+    }
+}
