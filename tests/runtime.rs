@@ -466,3 +466,33 @@ fn smollm2_decoder_matches_stock_quantized_llama() {
         want.argmax(1).unwrap().to_vec1::<u32>().unwrap()
     );
 }
+
+#[test]
+fn compact_template_lists_tools_by_name_and_renders_calls_on_one_line() {
+    use envace::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, ChatTemplate};
+    let t = ChatTemplate::new(COMPACT_TOOLS_TEMPLATE, "", "<|im_end|>").unwrap();
+    let tools = vec![
+        json!({"type": "function", "function": {"name": "get_balance", "description": "d", "parameters": {"type": "object", "properties": {"acc": {"type": "string"}}}}}),
+        json!({"type": "function", "function": {"name": "transfer", "description": "d", "parameters": {"type": "object", "properties": {"src": {}, "dst": {}, "amount": {}}}}}),
+    ];
+    let mut asst = Message::assistant("");
+    asst.tool_calls.push(MessageToolCall {
+        id: "c1".into(),
+        kind: "function".into(),
+        function: ToolCall {
+            name: "get_balance".into(),
+            arguments: json!({"acc": "acc_1"}),
+        },
+    });
+    let msgs = vec![
+        Message::system("Bank agent."),
+        Message::user("Balance of acc_1?"),
+        asst,
+        Message::tool("c1", "get_balance", "{\"balance\": 40}"),
+    ];
+    let out = t.render(&msgs, &tools, true, false).unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>system\nBank agent.\ntools: get_balance(acc) transfer(src,dst,amount)<|im_end|>\n<|im_start|>user\nBalance of acc_1?<|im_end|>\n<|im_start|>assistant\n<tool_call>{\"name\": \"get_balance\", \"arguments\": {\"acc\": \"acc_1\"}}</tool_call><|im_end|>\n<|im_start|>tool\n{\"balance\": 40}<|im_end|>\n<|im_start|>assistant\n"
+    );
+}

@@ -55,6 +55,40 @@ pub const CHATML_TOOLS_TEMPLATE: &str = r##"{%- if tools %}
 {%- endif %}
 "##;
 
+/// ChatML for small models trained by this project: tools are listed by name and parameter
+/// names only (a tiny model learns the schemas from its training data; long schemas would
+/// dominate its short context), calls are Hermes-style `<tool_call>` blocks on one line, tool
+/// results get their own `tool` turn.
+pub const COMPACT_TOOLS_TEMPLATE: &str = r##"{%- set sys = messages[0].content if messages[0].role == 'system' else '' %}
+{%- if sys or tools %}
+{{- '<|im_start|>system\n' + sys }}
+{%- if tools %}
+{{- '\ntools:' }}
+{%- for tool in tools %}
+{%- set f = tool.function if tool.function is defined else tool %}
+{{- ' ' + f.name + '(' + ((f.parameters.properties | list) if f.parameters is defined and f.parameters.properties is defined else []) | join(',') + ')' }}
+{%- endfor %}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' + (message.content or '') }}
+{%- for tool_call in message.tool_calls %}
+{%- set c = tool_call.function if tool_call.function is defined else tool_call %}
+{{- '<tool_call>{"name": "' + c.name + '", "arguments": ' + (c.arguments | tojson) + '}</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"##;
+
 /// A compiled chat template plus the special tokens it may reference.
 #[derive(Debug)]
 pub struct ChatTemplate {

@@ -79,12 +79,17 @@ pub fn byte_level_tokenizer_json(merges: &[(String, String)]) -> Value {
 
 /// `tokenizer_config.json` with the ChatML tools template.
 pub fn tokenizer_config_json() -> Value {
+    tokenizer_config_with(CHATML_TOOLS_TEMPLATE)
+}
+
+/// `tokenizer_config.json` with a given chat template.
+pub fn tokenizer_config_with(template: &str) -> Value {
     json!({
         "bos_token": null,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "model_max_length": 4096,
-        "chat_template": CHATML_TOOLS_TEMPLATE,
+        "chat_template": template,
     })
 }
 
