@@ -58,9 +58,14 @@ impl ToolSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ToolResponse {
-    Success { value: Value },
+    Success {
+        value: Value,
+    },
     /// A structured error the agent can read (unknown id, bad argument, policy refusal...).
-    Error { code: String, message: String },
+    Error {
+        code: String,
+        message: String,
+    },
 }
 
 impl ToolResponse {
