@@ -69,9 +69,6 @@ impl Mode {
             Self::Rehearse => None,
         }
     }
-    pub fn real(live: LiveOptions) -> Self {
-        Self::Real(live)
-    }
 }
 
 /// Options of the modes with a real environment.
@@ -279,6 +276,21 @@ impl Default for EngineConfig {
             sim_prompt: SimPromptConfig::default(),
             learn_examples_from_real: true,
         }
+    }
+}
+
+impl EngineConfig {
+    /// Set the base seed of every sampler (actor, simulator, rehearsal); each request then
+    /// derives its own seed from it, so one episode seed reproduces the whole episode.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.actor_sampling.seed = seed;
+        self.simulator_sampling.seed = seed;
+        if let Mode::Real(l) | Mode::Shadow(l) = &mut self.mode {
+            if let Some(pr) = &mut l.private_rehearsal {
+                pr.sampling.seed = seed;
+            }
+        }
+        self
     }
 }
 
