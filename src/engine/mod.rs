@@ -12,12 +12,17 @@
 //!
 //! Data flows one way: runtime ← engine → env; engine → session.
 
+pub mod driver;
 pub mod fidelity;
 pub mod fsm;
 pub mod parse;
 pub mod prompts;
 pub mod types;
 
+pub use driver::{
+    ApprovalHook, ApprovalPolicy, Driver, DriverError, DriverEvent, EnvAccess, PolicyApprover,
+    SharedModel, share_model,
+};
 pub use fsm::{
     ApprovalRequest, Effect, Engine, EngineError, EpisodeOutcome, EpisodeStats, Event,
     GenerateRequest, RealCallPermit, RehearsalVerdict, RequestId,
