@@ -454,3 +454,25 @@ fn memory_sink_numbers_events() {
     let seqs: Vec<u64> = sink.records.iter().map(|r| r.seq).collect();
     assert_eq!(seqs, [1, 2, 3]);
 }
+
+#[test]
+fn reader_survives_mutated_session_files() {
+    use crate::engine::parse::randomized::mutate_bytes;
+    use rand::SeedableRng;
+    let dir = tempfile::tempdir().expect("tmp");
+    let bytes = std::fs::read(write_sample(dir.path(), true)).expect("read");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut ok = 0;
+    for _ in 0..3_000 {
+        let m = mutate_bytes(&mut rng, &bytes);
+        if let Ok(s) = parse_session(&m, "mutated") {
+            ok += 1;
+            assert!(s.events.windows(2).all(|w| w[0].seq < w[1].seq));
+            let tree = SessionTree::build(&s.events);
+            assert_eq!(tree.branch_of.len(), s.events.len());
+            let _ = render_replay(&s);
+            let _ = openai_records(&s, &ExportOptions::default());
+        }
+    }
+    assert!(ok > 0);
+}

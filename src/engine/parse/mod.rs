@@ -7,6 +7,9 @@ pub mod actor;
 pub mod json;
 pub mod simulator;
 
+#[cfg(test)]
+pub(crate) mod randomized;
+
 pub use actor::{ActorAction, ActorFormatEvent, ActorTurn, parse_actor};
 pub use simulator::{SimFormatError, SimOutput, SimTurn, parse_simulator};
 
