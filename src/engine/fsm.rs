@@ -1066,10 +1066,10 @@ impl Engine {
             next_call: 0,
             tool_errors: 0,
         });
-        if index == 0 {
-            if let Some((turn, ids)) = r.proposal.take() {
-                return self.branch_step(r, b, turn, ids);
-            }
+        if index == 0
+            && let Some((turn, ids)) = r.proposal.take()
+        {
+            return self.branch_step(r, b, turn, ids);
         }
         if r.cfg.strategy == RehearsalStrategy::Parallel {
             if let Some((req, i, g)) = r.first_steps.pop_front() {
@@ -1136,10 +1136,10 @@ impl Engine {
 
     /// May the branch take another actor turn?
     fn branch_may_continue(&self, r: &Rehearsal, b: &Branch) -> Option<BranchEnd> {
-        if let RehearsalDepth::Turns(d) = r.cfg.depth {
-            if b.depth >= d {
-                return Some(BranchEnd::DepthReached);
-            }
+        if let RehearsalDepth::Turns(d) = r.cfg.depth
+            && b.depth >= d
+        {
+            return Some(BranchEnd::DepthReached);
         }
         // The proposal already counted as a main-line turn.
         let used = self.turns.saturating_sub(1) + b.depth;
@@ -1155,20 +1155,20 @@ impl Engine {
     ) {
         b.depth += 1;
         match &turn.action {
-            ActorAction::Malformed => self.end_branch(r, b, BranchEnd::ActorFormatError),
+            ActorAction::Malformed => self.end_branch(r, &b, BranchEnd::ActorFormatError),
             ActorAction::Answer => {
                 self.branch_message(&mut b, assistant_message(&turn, &[]));
                 match self.spec.user_turns.get(b.next_user).cloned() {
                     None => self.end_branch(
                         r,
-                        b,
+                        &b,
                         BranchEnd::Answered {
                             text: turn.content.clone(),
                         },
                     ),
                     Some(next) => {
                         if let Some(end) = self.branch_may_continue(&r, &b) {
-                            return self.end_branch(r, b, end);
+                            return self.end_branch(r, &b, end);
                         }
                         b.next_user += 1;
                         self.branch_message(&mut b, Message::user(next));
@@ -1189,7 +1189,7 @@ impl Engine {
     fn branch_next_call(&mut self, r: Box<Rehearsal>, b: Box<Branch>) {
         let Some(q) = b.calls.get(b.next_call).cloned() else {
             if let Some(end) = self.branch_may_continue(&r, &b) {
-                return self.end_branch(r, b, end);
+                return self.end_branch(r, &b, end);
             }
             return self.branch_actor(r, b);
         };
@@ -1278,16 +1278,16 @@ impl Engine {
                     }
                     SimulatedOutcome::Parsed {
                         output: SimOutput::Rejected { code, message },
-                    } => self.end_branch(r, b, BranchEnd::Rejected { code, message }),
+                    } => self.end_branch(r, &b, BranchEnd::Rejected { code, message }),
                     SimulatedOutcome::Unparseable { .. } => {
-                        self.end_branch(r, b, BranchEnd::SimulatorFormatError)
+                        self.end_branch(r, &b, BranchEnd::SimulatorFormatError)
                     }
                 }
             }
         }
     }
 
-    fn end_branch(&mut self, mut r: Box<Rehearsal>, b: Box<Branch>, end: BranchEnd) {
+    fn end_branch(&mut self, mut r: Box<Rehearsal>, b: &Branch, end: BranchEnd) {
         let errors = b.tool_errors > 0;
         let prediction = match &end {
             BranchEnd::Answered { .. } if !errors => Prediction::Success,

@@ -285,10 +285,10 @@ impl EngineConfig {
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.actor_sampling.seed = seed;
         self.simulator_sampling.seed = seed;
-        if let Mode::Real(l) | Mode::Shadow(l) = &mut self.mode {
-            if let Some(pr) = &mut l.private_rehearsal {
-                pr.sampling.seed = seed;
-            }
+        if let Mode::Real(l) | Mode::Shadow(l) = &mut self.mode
+            && let Some(pr) = &mut l.private_rehearsal
+        {
+            pr.sampling.seed = seed;
         }
         self
     }

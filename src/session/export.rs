@@ -109,16 +109,16 @@ pub fn openai_records(session: &Session, opts: &ExportOptions) -> Vec<Value> {
     out.push(actor);
     if opts.include_simulator {
         for e in &session.events {
-            if let EventBody::Generation(g) = &e.event {
-                if g.role == GenRole::Simulator {
-                    let mut msgs: Vec<Value> = g.prompt.iter().map(openai_message).collect();
-                    msgs.push(json!({"role": "assistant", "content": g.text}));
-                    let mut rec = json!({"messages": msgs});
-                    if opts.include_metadata {
-                        rec["metadata"] = metadata("simulator");
-                    }
-                    out.push(rec);
+            if let EventBody::Generation(g) = &e.event
+                && g.role == GenRole::Simulator
+            {
+                let mut msgs: Vec<Value> = g.prompt.iter().map(openai_message).collect();
+                msgs.push(json!({"role": "assistant", "content": g.text}));
+                let mut rec = json!({"messages": msgs});
+                if opts.include_metadata {
+                    rec["metadata"] = metadata("simulator");
                 }
+                out.push(rec);
             }
         }
     }
@@ -266,10 +266,10 @@ fn describe(ev: &EventBody) -> String {
                 ActorAction::Answer => s.push_str("answer"),
                 ActorAction::Malformed => s.push_str("MALFORMED"),
             }
-            if let Some(t) = &turn.think {
-                if !t.is_empty() {
-                    let _ = write!(s, "\n  think: {}", cut(t, 200));
-                }
+            if let Some(t) = &turn.think
+                && !t.is_empty()
+            {
+                let _ = write!(s, "\n  think: {}", cut(t, 200));
             }
             s
         }

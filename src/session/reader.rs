@@ -141,18 +141,18 @@ pub fn parse_session(bytes: &[u8], origin: &str) -> Result<Session, SessionError
             line: line_no,
             message,
         };
-        if let Some(prev) = last_seq {
-            if record.seq <= prev {
-                return Err(invalid(format!(
-                    "seq {} does not increase (previous {prev})",
-                    record.seq
-                )));
-            }
+        if let Some(prev) = last_seq
+            && record.seq <= prev
+        {
+            return Err(invalid(format!(
+                "seq {} does not increase (previous {prev})",
+                record.seq
+            )));
         }
-        if let Some(p) = &record.parent {
-            if !ids.contains(p) {
-                return Err(invalid(format!("parent `{p}` is not an earlier event")));
-            }
+        if let Some(p) = &record.parent
+            && !ids.contains(p)
+        {
+            return Err(invalid(format!("parent `{p}` is not an earlier event")));
         }
         if !ids.insert(record.id.clone()) {
             return Err(invalid(format!("duplicate id `{}`", record.id)));

@@ -301,14 +301,14 @@ fn object_to_call(
     block: usize,
     events: &mut Vec<ActorFormatEvent>,
 ) -> Result<ToolCall, String> {
-    if !obj.contains_key("name") {
-        if let Some(Value::Object(inner)) = obj.get("function") {
-            events.push(ActorFormatEvent::ArgumentsKeyAlias {
-                block,
-                key: "function".into(),
-            });
-            obj = inner.clone();
-        }
+    if !obj.contains_key("name")
+        && let Some(Value::Object(inner)) = obj.get("function")
+    {
+        events.push(ActorFormatEvent::ArgumentsKeyAlias {
+            block,
+            key: "function".into(),
+        });
+        obj = inner.clone();
     }
     let name = match obj.get("name") {
         Some(Value::String(s)) if !s.trim().is_empty() => s.trim().to_string(),

@@ -61,7 +61,7 @@ fn rank(p: &Prediction) -> u8 {
 }
 
 /// Select (and order) the branches to show.
-fn select<'a>(branches: &'a [BranchSummary], sel: MemorySelection) -> Vec<&'a BranchSummary> {
+fn select(branches: &[BranchSummary], sel: MemorySelection) -> Vec<&BranchSummary> {
     match sel {
         MemorySelection::All => branches.iter().collect(),
         MemorySelection::SuccessFirst(k) => {
@@ -79,7 +79,7 @@ fn select<'a>(branches: &'a [BranchSummary], sel: MemorySelection) -> Vec<&'a Br
 }
 
 /// Group identical branches (same steps, end and prediction), keeping first-seen order.
-fn group<'a>(branches: Vec<&'a BranchSummary>, dedupe: bool) -> Vec<(&'a BranchSummary, usize)> {
+fn group(branches: Vec<&BranchSummary>, dedupe: bool) -> Vec<(&BranchSummary, usize)> {
     let mut out: Vec<(&BranchSummary, usize)> = Vec::new();
     for b in branches {
         let same = |o: &&BranchSummary| {
