@@ -7,12 +7,14 @@
 //!   `Environment`, an approval hook and an event sink.
 //! - [`parse`]: actor (tolerant) and simulator (strict) output parsers.
 //! - [`prompts`]: actor prompt, per-call simulator prompt, rehearsal memory.
+//! - [`eval`]: the `envace eval` summary over episode outcomes.
 //! - [`fidelity`]: simulated-vs-real response metrics (shadow mode).
 //! - [`types`]: episode spec, configuration, and the data the engine reports.
 //!
 //! Data flows one way: runtime ← engine → env; engine → session.
 
 pub mod driver;
+pub mod eval;
 pub mod fidelity;
 pub mod fsm;
 pub mod parse;
@@ -23,6 +25,7 @@ pub use driver::{
     ApprovalHook, ApprovalPolicy, Driver, DriverError, DriverEvent, EnvAccess, PolicyApprover,
     SharedModel, share_model,
 };
+pub use eval::EvalSummary;
 pub use fsm::{
     ApprovalRequest, Effect, Engine, EngineError, EpisodeOutcome, EpisodeStats, Event,
     GenerateRequest, RealCallPermit, RehearsalVerdict, RequestId,

@@ -8,6 +8,7 @@
 
 pub mod export;
 pub mod reader;
+pub mod rows;
 pub mod schema;
 pub mod tree;
 pub mod writer;
@@ -21,6 +22,7 @@ pub use export::{
     ExportOptions, export_openai, openai_message, openai_records, render_replay, replay_text,
 };
 pub use reader::{ReadWarning, Session, parse_session, read_session, strip_timestamps};
+pub use rows::{TrainingRow, training_rows};
 pub use schema::{
     EventBody, EventRecord, FORMAT_VERSION, GenerationRecord, ModelRef, NewEvent, SESSION_FORMAT,
     SessionHeader,

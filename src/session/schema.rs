@@ -32,6 +32,15 @@ pub struct ModelRef {
     pub hash: String,
 }
 
+impl From<&crate::runtime::ModelInfo> for ModelRef {
+    fn from(info: &crate::runtime::ModelInfo) -> Self {
+        Self {
+            path: info.path.clone(),
+            hash: info.hash.clone(),
+        }
+    }
+}
+
 /// The first line of a session file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionHeader {

@@ -476,3 +476,15 @@ fn reader_survives_mutated_session_files() {
     }
     assert!(ok > 0);
 }
+
+#[test]
+fn training_rows_carry_tokens_and_the_episode_reward() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let s = read_session(write_sample(dir.path(), false)).expect("read");
+    let rows = training_rows(&s.events);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].role, GenRole::Actor);
+    assert_eq!(rows[0].prompt_ids, vec![1, 2, 3]);
+    assert_eq!(rows[0].loss_mask, vec![1, 1]);
+    assert_eq!(rows[0].reward, Some(1.0));
+}
