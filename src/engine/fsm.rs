@@ -87,6 +87,8 @@ pub struct ApprovalRequest {
     pub irreversible: bool,
     /// Set when the call was committed after Private Rehearsal.
     pub rehearsal: Option<RehearsalVerdict>,
+    /// Shadow mode: what the simulator predicted this call will return.
+    pub predicted: Option<SimulatedOutcome>,
 }
 
 /// What the engine asks its driver to do.
@@ -856,6 +858,7 @@ impl Engine {
             call: q.call.clone(),
             irreversible: q.irreversible,
             rehearsal: st.verdict,
+            predicted: prediction.clone(),
         }));
         self.phase = Phase::Calls(st, CallStep::AwaitingApproval { id, prediction });
     }

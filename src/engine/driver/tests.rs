@@ -409,6 +409,7 @@ fn auto_policy_follows_the_rehearsal_verdict_for_irreversible_calls() {
         },
         irreversible,
         rehearsal,
+        predicted: None,
     };
     let auto = PolicyApprover(ApprovalPolicy::Auto);
     let v = |s, f| {

@@ -758,6 +758,24 @@ fn shadow_mode_predicts_then_executes_and_the_actor_sees_the_real_answer() {
 }
 
 #[test]
+fn shadow_mode_shows_the_prediction_to_the_approval_hook() {
+    let t = call_text("transfer", json!({"amount": 1}));
+    let r = run(
+        spec(&["x"]),
+        cfg(shadow()),
+        Script::default()
+            .actor(&[&t, "ok"])
+            .sim(vec![result_text(json!({"ok": true}))]),
+    );
+    let asks = r.approvals();
+    assert_eq!(asks.len(), 1);
+    assert_eq!(
+        asks[0].predicted.as_ref().and_then(SimulatedOutcome::value),
+        Some(json!({"ok": true}))
+    );
+}
+
+#[test]
 fn shadow_mode_records_fidelity_per_tool() {
     let t = format!(
         "{}{}",
