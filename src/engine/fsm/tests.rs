@@ -1,0 +1,1299 @@
+//! FSM transition tests, without IO. A small scripted "world" answers the engine's effects
+//! (actor texts, simulator texts, real responses, approval decisions, a score) so each test
+//! states a behaviour and checks the effects and persisted events.
+
+use std::collections::VecDeque;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+use super::*;
+use crate::engine::types::{LiveOptions, MemoryConfig};
+use crate::env::{ToolAnnotations, ToolSpec};
+use crate::runtime::FinishReason;
+use crate::session::{EventBody, SessionTree, parse_session};
+
+// ---- harness ------------------------------------------------------------------------------
+
+fn tool(name: &str, destructive: bool) -> ToolSpec {
+    ToolSpec {
+        name: name.into(),
+        description: format!("{name} tool"),
+        input_schema: json!({"type": "object"}),
+        annotations: ToolAnnotations {
+            destructive,
+            ..Default::default()
+        },
+    }
+}
+
+fn spec(turns: &[&str]) -> EpisodeSpec {
+    EpisodeSpec {
+        task_id: Some("t1".into()),
+        system: "Policy: be careful.".into(),
+        user_turns: turns.iter().map(|s| s.to_string()).collect(),
+        tools: vec![tool("get_balance", false), tool("transfer", true)],
+        examples: vec![],
+    }
+}
+
+fn cfg(mode: Mode) -> EngineConfig {
+    EngineConfig {
+        mode,
+        ..EngineConfig::default()
+    }
+}
+
+fn real() -> Mode {
+    Mode::Real(LiveOptions::default())
+}
+
+fn shadow() -> Mode {
+    Mode::Shadow(LiveOptions::default())
+}
+
+fn with_rehearsal(mode_live: fn(LiveOptions) -> Mode, pr: PrivateRehearsal) -> Mode {
+    mode_live(LiveOptions {
+        approval: ApprovalGate::Off,
+        private_rehearsal: Some(pr),
+    })
+}
+
+fn call_text(name: &str, args: Value) -> String {
+    format!(
+        "<tool_call>{}</tool_call>",
+        json!({"name": name, "arguments": args})
+    )
+}
+
+fn result_text(v: Value) -> String {
+    format!("<execution_result>{v}</execution_result>")
+}
+
+fn gen_of(text: &str) -> Generation {
+    let n = text.len().min(7);
+    Generation {
+        prompt_ids: vec![1, 2, 3],
+        response_ids: (0..n as u32).collect(),
+        logprobs: vec![-0.1; n],
+        text: text.to_string(),
+        finish: FinishReason::Eos,
+    }
+}
+
+#[derive(Default)]
+struct Script {
+    actor: VecDeque<String>,
+    sim: VecDeque<String>,
+    real: VecDeque<ToolResponse>,
+    decisions: VecDeque<Decision>,
+    reward: f64,
+}
+
+impl Script {
+    fn actor(mut self, texts: &[&str]) -> Self {
+        self.actor.extend(texts.iter().map(|s| s.to_string()));
+        self
+    }
+    fn actor_owned(mut self, texts: Vec<String>) -> Self {
+        self.actor.extend(texts);
+        self
+    }
+    fn sim(mut self, texts: Vec<String>) -> Self {
+        self.sim.extend(texts);
+        self
+    }
+    fn real(mut self, r: Vec<ToolResponse>) -> Self {
+        self.real.extend(r);
+        self
+    }
+    fn decide(mut self, d: Vec<Decision>) -> Self {
+        self.decisions.extend(d);
+        self
+    }
+}
+
+#[derive(Default)]
+struct Run {
+    effects: Vec<Effect>,
+    events: Vec<NewEvent>,
+    outcome: Option<EpisodeOutcome>,
+}
+
+impl Run {
+    fn generates(&self, role: GenRole) -> Vec<&GenerateRequest> {
+        self.effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Generate(g) if g.role == role => Some(g),
+                _ => None,
+            })
+            .collect()
+    }
+    fn real_calls(&self) -> Vec<&ToolCall> {
+        self.effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::ExecuteReal { call, .. } => Some(call),
+                _ => None,
+            })
+            .collect()
+    }
+    fn approvals(&self) -> Vec<&ApprovalRequest> {
+        self.effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::AskApproval(a) => Some(a),
+                _ => None,
+            })
+            .collect()
+    }
+    fn kinds(&self) -> Vec<&'static str> {
+        self.events.iter().map(|e| e.event.kind()).collect()
+    }
+    fn outcome(&self) -> &EpisodeOutcome {
+        self.outcome.as_ref().expect("episode finished")
+    }
+    fn count(&self, kind: &str) -> usize {
+        self.kinds().iter().filter(|k| **k == kind).count()
+    }
+    /// The events as a session file, read back through the validating reader.
+    fn as_session(&self) -> crate::session::Session {
+        let header = crate::session::SessionHeader::new(
+            crate::session::ModelRef {
+                path: "m".into(),
+                hash: "h".into(),
+            },
+            None,
+            "test",
+            None,
+            0,
+            &EngineConfig::default(),
+        );
+        let mut text = serde_json::to_string(&header).expect("header");
+        text.push('\n');
+        for (i, e) in self.events.iter().enumerate() {
+            let rec = crate::session::EventRecord {
+                seq: i as u64 + 1,
+                id: e.id.clone(),
+                parent: e.parent.clone(),
+                ts: None,
+                event: e.event.clone(),
+            };
+            text.push_str(&serde_json::to_string(&rec).expect("event"));
+            text.push('\n');
+        }
+        parse_session(text.as_bytes(), "fsm").expect("valid session")
+    }
+}
+
+/// Answer effects until the episode finishes (or nothing is left to do).
+fn drive(engine: &mut Engine, script: &mut Script) -> Run {
+    let mut run = Run::default();
+    let mut queue: VecDeque<Effect> = engine.handle(Event::Start).into();
+    let mut guard = 0;
+    while let Some(effect) = queue.pop_front() {
+        guard += 1;
+        assert!(guard < 10_000, "runaway episode");
+        run.effects.push(effect.clone());
+        let event = match effect {
+            Effect::Generate(g) => {
+                let src = match g.role {
+                    GenRole::Actor => &mut script.actor,
+                    GenRole::Simulator => &mut script.sim,
+                };
+                let generations = (0..g.n)
+                    .map(|_| gen_of(&src.pop_front().unwrap_or_else(|| "Done.".into())))
+                    .collect();
+                Event::GenerationDone {
+                    id: g.id,
+                    generations,
+                }
+            }
+            Effect::ExecuteReal { id, .. } => Event::RealResult {
+                id,
+                response: script.real.pop_front().unwrap_or(ToolResponse::Success {
+                    value: json!({"ok": true}),
+                }),
+            },
+            Effect::AskApproval(a) => Event::ApprovalDecision {
+                id: a.id,
+                decision: script.decisions.pop_front().unwrap_or(Decision::Approve),
+            },
+            Effect::Persist(e) => {
+                run.events.push(e);
+                continue;
+            }
+            Effect::Score { id, .. } => Event::Scored {
+                id,
+                score: Score {
+                    reward: script.reward,
+                    partial: script.reward,
+                    checklist: vec![],
+                },
+            },
+            Effect::Finish(o) => {
+                run.outcome = Some(o);
+                continue;
+            }
+        };
+        queue.extend(engine.handle(event));
+    }
+    run
+}
+
+fn run(spec: EpisodeSpec, cfg: EngineConfig, mut script: Script) -> Run {
+    let mut e = Engine::new(spec, cfg).expect("engine");
+    let r = drive(&mut e, &mut script);
+    assert!(e.is_done(), "engine should be done, is {}", e.state_name());
+    r
+}
+
+fn pr(branches: usize, strategy: RehearsalStrategy, depth: RehearsalDepth) -> PrivateRehearsal {
+    PrivateRehearsal {
+        branches,
+        strategy,
+        trigger: RehearsalTrigger::Irreversible,
+        depth,
+        memory: MemoryConfig::default(),
+        sampling: SamplingParams::default(),
+    }
+}
+
+// ---- construction -------------------------------------------------------------------------
+
+#[test]
+fn engine_rejects_invalid_inputs() {
+    assert_eq!(
+        Engine::new(spec(&[]), cfg(real())).err(),
+        Some(EngineError::NoUserTurn)
+    );
+    let mut c = cfg(real());
+    c.max_turns = 0;
+    assert_eq!(
+        Engine::new(spec(&["x"]), c).err(),
+        Some(EngineError::NoTurns)
+    );
+    let c = cfg(with_rehearsal(
+        Mode::Real,
+        pr(0, RehearsalStrategy::Parallel, RehearsalDepth::ToEnd),
+    ));
+    assert_eq!(
+        Engine::new(spec(&["x"]), c).err(),
+        Some(EngineError::NoBranches)
+    );
+    let c = cfg(with_rehearsal(
+        Mode::Real,
+        pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(0)),
+    ));
+    assert_eq!(
+        Engine::new(spec(&["x"]), c).err(),
+        Some(EngineError::ZeroDepth)
+    );
+}
+
+// ---- start and answers --------------------------------------------------------------------
+
+#[test]
+fn start_persists_episode_start_and_asks_the_actor_once() {
+    let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
+    let effects = e.handle(Event::Start);
+    let kinds: Vec<&str> = effects
+        .iter()
+        .map(|f| match f {
+            Effect::Persist(ev) => ev.event.kind(),
+            Effect::Generate(_) => "GENERATE",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["episode_start", "message", "message", "GENERATE"]);
+    let Some(Effect::Generate(g)) = effects.last() else {
+        panic!("no generate")
+    };
+    assert_eq!(g.role, GenRole::Actor);
+    assert_eq!(g.n, 1);
+    assert_eq!(g.tools.len(), 2);
+    assert!(g.enable_thinking);
+    assert_eq!(
+        g.messages,
+        vec![Message::system("Policy: be careful."), Message::user("hi")]
+    );
+    assert_eq!(e.state_name(), "actor");
+}
+
+#[test]
+fn plain_answer_ends_episode_normally_and_scores_with_the_environment() {
+    let r = run(
+        spec(&["hi"]),
+        cfg(real()),
+        Script {
+            reward: 1.0,
+            ..Script::default()
+        }
+        .actor(&["Hello!"]),
+    );
+    let o = r.outcome();
+    assert_eq!(o.end, EndReason::Answered);
+    assert_eq!(o.scored_by, Some(ScoredBy::Environment));
+    assert_eq!(o.reward(), 1.0);
+    assert!(o.trace.finished_normally);
+    assert_eq!(o.trace.agent_messages, vec!["Hello!".to_string()]);
+    let kinds = r.kinds();
+    assert_eq!(&kinds[kinds.len() - 2..], ["episode_end", "reward"]);
+}
+
+#[test]
+fn scripted_user_turns_follow_each_final_answer() {
+    let r = run(
+        spec(&["first", "second"]),
+        cfg(real()),
+        Script::default().actor(&["A1", "A2"]),
+    );
+    assert_eq!(r.outcome().trace.agent_messages, vec!["A1", "A2"]);
+    let second = r.generates(GenRole::Actor)[1];
+    let users: Vec<&str> = second
+        .messages
+        .iter()
+        .filter(|m| m.role == crate::message::Role::User)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(users, ["first", "second"]);
+}
+
+#[test]
+fn turn_limit_ends_episode_abnormally() {
+    let mut c = cfg(real());
+    c.max_turns = 2;
+    let t = call_text("get_balance", json!({"id": "a"}));
+    let r = run(spec(&["hi"]), c, Script::default().actor(&[&t, &t, &t]));
+    assert_eq!(r.outcome().end, EndReason::TurnLimit);
+    assert!(!r.outcome().trace.finished_normally);
+    assert_eq!(r.generates(GenRole::Actor).len(), 2);
+    assert_eq!(r.real_calls().len(), 2);
+}
+
+#[test]
+fn malformed_actor_output_ends_with_format_error_and_records_why() {
+    let r = run(
+        spec(&["hi"]),
+        cfg(real()),
+        Script::default().actor(&["<tool_call>nonsense</tool_call>"]),
+    );
+    assert_eq!(r.outcome().end, EndReason::ActorFormatError);
+    assert_eq!(r.count("format"), 1);
+    assert_eq!(r.outcome().stats.actor_turns_failed, 1);
+    assert_eq!(r.outcome().stats.format_error_rate(), 1.0);
+}
+
+#[test]
+fn repaired_actor_output_is_recorded_as_format_event_and_continues() {
+    let r = run(
+        spec(&["hi"]),
+        cfg(real()),
+        Script::default().actor(&["<tool_call>{'name': 'get_balance', 'arguments': {}}", "ok"]),
+    );
+    assert_eq!(r.outcome().end, EndReason::Answered);
+    assert_eq!(r.count("format"), 2); // single quotes + missing closing tag
+    assert_eq!(r.outcome().stats.actor_turns_repaired, 1);
+    assert_eq!(r.real_calls().len(), 1);
+}
+
+// ---- real mode ----------------------------------------------------------------------------
+
+#[test]
+fn real_mode_executes_calls_in_order_and_feeds_results_back() {
+    let two = format!(
+        "{}{}",
+        call_text("get_balance", json!({"id": "a"})),
+        call_text("get_balance", json!({"id": "b"}))
+    );
+    let r = run(
+        spec(&["hi"]),
+        cfg(real()),
+        Script::default()
+            .actor(&[&two, "Balances shown."])
+            .real(vec![
+                ToolResponse::Success {
+                    value: json!({"balance": 1}),
+                },
+                ToolResponse::Error {
+                    code: "not_found".into(),
+                    message: "no b".into(),
+                },
+            ]),
+    );
+    let calls = r.real_calls();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].arguments, json!({"id": "a"}));
+    assert_eq!(calls[1].arguments, json!({"id": "b"}));
+    assert!(r.generates(GenRole::Simulator).is_empty());
+    let last_prompt = &r.generates(GenRole::Actor)[1].messages;
+    let tools: Vec<&str> = last_prompt
+        .iter()
+        .filter(|m| m.role == crate::message::Role::Tool)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(
+        tools,
+        [
+            "{\"balance\":1}",
+            "{\"error\":{\"code\":\"not_found\",\"message\":\"no b\"}}"
+        ]
+    );
+    assert_eq!(r.outcome().trace.actions.len(), 2);
+    assert_eq!(r.outcome().stats.real_calls, 2);
+}
+
+#[test]
+fn irreversible_call_asks_approval_and_reversible_call_does_not() {
+    let t = format!(
+        "{}{}",
+        call_text("get_balance", json!({})),
+        call_text("transfer", json!({"amount": 5}))
+    );
+    let r = run(
+        spec(&["pay"]),
+        cfg(real()),
+        Script::default().actor(&[&t, "done"]),
+    );
+    let asks = r.approvals();
+    assert_eq!(asks.len(), 1);
+    assert_eq!(asks[0].call.name, "transfer");
+    assert!(asks[0].irreversible);
+    assert_eq!(asks[0].rehearsal, None);
+    assert_eq!(r.real_calls().len(), 2);
+    assert_eq!(r.count("approval_requested"), 1);
+    assert_eq!(r.count("approval"), 1);
+}
+
+#[test]
+fn every_call_gate_asks_for_all_calls_and_off_gate_for_none() {
+    let t = format!(
+        "{}{}",
+        call_text("get_balance", json!({})),
+        call_text("transfer", json!({}))
+    );
+    let every = Mode::Real(LiveOptions {
+        approval: ApprovalGate::EveryCall,
+        private_rehearsal: None,
+    });
+    let r = run(
+        spec(&["x"]),
+        cfg(every),
+        Script::default().actor(&[&t, "ok"]),
+    );
+    assert_eq!(r.approvals().len(), 2);
+    let off = Mode::Real(LiveOptions {
+        approval: ApprovalGate::Off,
+        private_rehearsal: None,
+    });
+    let r = run(spec(&["x"]), cfg(off), Script::default().actor(&[&t, "ok"]));
+    assert!(r.approvals().is_empty());
+    assert_eq!(r.real_calls().len(), 2);
+}
+
+#[test]
+fn rejected_approval_skips_the_call_and_tells_the_actor_why() {
+    let t = call_text("transfer", json!({"amount": 5}));
+    let r = run(
+        spec(&["pay"]),
+        cfg(real()),
+        Script::default()
+            .actor(&[&t, "Okay, not paying."])
+            .decide(vec![Decision::Reject {
+                reason: "too much".into(),
+            }]),
+    );
+    assert!(r.real_calls().is_empty());
+    let prompt = &r.generates(GenRole::Actor)[1].messages;
+    let last = prompt.last().expect("tool message");
+    assert_eq!(
+        last.content,
+        "{\"error\":{\"code\":\"rejected_by_user\",\"message\":\"too much\"}}"
+    );
+    assert!(r.outcome().trace.actions.is_empty());
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+#[test]
+fn edited_approval_runs_the_edited_arguments_and_updates_the_conversation() {
+    let t = call_text("transfer", json!({"amount": 500}));
+    let r = run(
+        spec(&["pay"]),
+        cfg(real()),
+        Script::default()
+            .actor(&[&t, "paid"])
+            .decide(vec![Decision::ApproveEdited {
+                arguments: json!({"amount": 5}),
+            }]),
+    );
+    assert_eq!(r.real_calls()[0].arguments, json!({"amount": 5}));
+    assert_eq!(r.outcome().trace.actions[0].arguments, json!({"amount": 5}));
+    let prompt = &r.generates(GenRole::Actor)[1].messages;
+    let asst = prompt
+        .iter()
+        .find(|m| !m.tool_calls.is_empty())
+        .expect("assistant with calls");
+    assert_eq!(asst.tool_calls[0].function.arguments, json!({"amount": 5}));
+}
+
+#[test]
+fn terminate_decision_ends_the_episode_without_running_the_call() {
+    let t = call_text("transfer", json!({}));
+    let r = run(
+        spec(&["pay"]),
+        cfg(real()),
+        Script::default()
+            .actor(&[&t])
+            .decide(vec![Decision::Terminate]),
+    );
+    assert!(r.real_calls().is_empty());
+    assert_eq!(r.outcome().end, EndReason::Terminated);
+    assert!(!r.outcome().trace.finished_normally);
+    assert_eq!(r.outcome().scored_by, Some(ScoredBy::Environment));
+}
+
+// ---- rehearse mode ------------------------------------------------------------------------
+
+#[test]
+fn rehearse_mode_simulates_each_call_and_scores_with_the_verifier() {
+    let t = call_text("transfer", json!({"amount": 5}));
+    let r = run(
+        spec(&["pay"]),
+        cfg(Mode::Rehearse),
+        Script {
+            reward: 1.0,
+            ..Script::default()
+        }
+        .actor(&[&t, "Paid."])
+        .sim(vec![result_text(json!({"status": "done"}))]),
+    );
+    assert!(r.real_calls().is_empty());
+    assert!(r.approvals().is_empty(), "nothing real to approve");
+    let sims = r.generates(GenRole::Simulator);
+    assert_eq!(sims.len(), 1);
+    assert_eq!(sims[0].call_id.as_deref(), Some("call_0"));
+    assert!(sims[0].tools.is_empty());
+    assert!(!sims[0].enable_thinking);
+    let o = r.outcome();
+    assert_eq!(o.scored_by, Some(ScoredBy::Verifier));
+    assert_eq!(o.reward(), 1.0);
+    assert_eq!(o.trace.actions.len(), 1);
+    let prompt = &r.generates(GenRole::Actor)[1].messages;
+    assert_eq!(
+        prompt.last().map(|m| m.content.as_str()),
+        Some("{\"status\":\"done\"}")
+    );
+}
+
+#[test]
+fn rejected_simulation_ends_episode_with_zero_reward() {
+    let t = call_text("transfer", json!({"amount": -1}));
+    let r = run(
+        spec(&["pay"]),
+        cfg(Mode::Rehearse),
+        Script {
+            reward: 1.0,
+            ..Script::default()
+        }
+        .actor(&[&t])
+        .sim(vec![result_text(
+            json!({"error_tool_call": {"code": "schema", "message": "amount < 0"}}),
+        )]),
+    );
+    let o = r.outcome();
+    assert_eq!(
+        o.end,
+        EndReason::SimulatorRejected {
+            code: "schema".into(),
+            message: "amount < 0".into()
+        }
+    );
+    assert_eq!(o.scored_by, Some(ScoredBy::ForcedZero));
+    assert_eq!(o.reward(), 0.0);
+    assert!(!r.effects.iter().any(|e| matches!(e, Effect::Score { .. })));
+    assert_eq!(o.stats.simulator_rejections, 1);
+}
+
+#[test]
+fn unparseable_simulation_ends_episode_with_zero_reward() {
+    let t = call_text("transfer", json!({}));
+    let r = run(
+        spec(&["pay"]),
+        cfg(Mode::Rehearse),
+        Script {
+            reward: 1.0,
+            ..Script::default()
+        }
+        .actor(&[&t])
+        .sim(vec!["sure, done".into()]),
+    );
+    assert!(matches!(
+        r.outcome().end,
+        EndReason::SimulatorFormatError { .. }
+    ));
+    assert_eq!(r.outcome().reward(), 0.0);
+    assert_eq!(r.count("format"), 1);
+    assert_eq!(r.outcome().stats.simulator_format_failures, 1);
+}
+
+#[test]
+fn show_error_policy_lets_the_actor_continue_after_a_rejection() {
+    let t = call_text("transfer", json!({}));
+    let mut c = cfg(Mode::Rehearse);
+    c.sim_failure = SimFailurePolicy::ShowErrorToActor;
+    let r = run(
+        spec(&["pay"]),
+        c,
+        Script::default().actor(&[&t, &t, "gave up"]).sim(vec![
+            result_text(json!({"error_tool_call": {"code": "c", "message": "m"}})),
+            "garbage".into(),
+        ]),
+    );
+    assert_eq!(r.outcome().end, EndReason::Answered);
+    assert_eq!(r.outcome().scored_by, Some(ScoredBy::Verifier));
+    let prompt = &r.generates(GenRole::Actor)[2].messages;
+    let tools: Vec<&str> = prompt
+        .iter()
+        .filter(|m| m.role == crate::message::Role::Tool)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(tools[0], "{\"error\":{\"code\":\"c\",\"message\":\"m\"}}");
+    assert!(tools[1].contains("simulator_format_error"));
+}
+
+#[test]
+fn real_call_permit_refuses_rehearse_mode() {
+    assert!(RealCallPermit::for_mode(&Mode::Rehearse).is_none());
+    assert!(RealCallPermit::for_mode(&real()).is_some());
+    assert!(RealCallPermit::for_mode(&shadow()).is_some());
+}
+
+/// Random actor/simulator outputs, random approvals: rehearse mode never asks for a real call.
+#[test]
+fn rehearse_mode_never_emits_execute_real() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let names = ["get_balance", "transfer", "unknown"];
+    for _ in 0..300 {
+        let mut script = Script::default();
+        for _ in 0..rng.random_range(1..8) {
+            let t = match rng.random_range(0..4) {
+                0 => "answer".to_string(),
+                1 => "<tool_call>broken".to_string(),
+                _ => {
+                    let k = rng.random_range(1..3);
+                    (0..k)
+                        .map(|_| call_text(names[rng.random_range(0..3)], json!({"x": 1})))
+                        .collect()
+                }
+            };
+            script.actor.push_back(t);
+            script.sim.push_back(match rng.random_range(0..4) {
+                0 => "nonsense".into(),
+                1 => result_text(json!({"error_tool_call": {"code": "c", "message": "m"}})),
+                _ => result_text(json!({"ok": true})),
+            });
+        }
+        let mut c = cfg(Mode::Rehearse);
+        if rng.random_bool(0.5) {
+            c.sim_failure = SimFailurePolicy::ShowErrorToActor;
+        }
+        let r = run(spec(&["a", "b"]), c, script);
+        assert!(r.real_calls().is_empty());
+        assert!(r.approvals().is_empty());
+        assert!(
+            !r.effects
+                .iter()
+                .any(|e| matches!(e, Effect::ExecuteReal { .. }))
+        );
+        r.as_session();
+    }
+}
+
+// ---- shadow mode --------------------------------------------------------------------------
+
+#[test]
+fn shadow_mode_predicts_then_executes_and_the_actor_sees_the_real_answer() {
+    let t = call_text("get_balance", json!({"id": "a"}));
+    let r = run(
+        spec(&["bal?"]),
+        cfg(shadow()),
+        Script::default()
+            .actor(&[&t, "5"])
+            .sim(vec![result_text(json!({"balance": 7}))])
+            .real(vec![ToolResponse::Success {
+                value: json!({"balance": 5}),
+            }]),
+    );
+    assert_eq!(r.generates(GenRole::Simulator).len(), 1);
+    assert_eq!(r.real_calls().len(), 1);
+    // The simulation comes before the real call.
+    let sim_at = r
+        .effects
+        .iter()
+        .position(|e| matches!(e, Effect::Generate(g) if g.role == GenRole::Simulator));
+    let real_at = r
+        .effects
+        .iter()
+        .position(|e| matches!(e, Effect::ExecuteReal { .. }));
+    assert!(sim_at < real_at);
+    let prompt = &r.generates(GenRole::Actor)[1].messages;
+    assert_eq!(
+        prompt.last().map(|m| m.content.as_str()),
+        Some("{\"balance\":5}")
+    );
+    let kinds = r.kinds();
+    let s = kinds
+        .iter()
+        .position(|k| *k == "simulated")
+        .expect("simulated");
+    let re = kinds.iter().position(|k| *k == "real").expect("real");
+    let f = kinds
+        .iter()
+        .position(|k| *k == "fidelity")
+        .expect("fidelity");
+    assert!(s < re && re < f);
+    assert_eq!(r.outcome().scored_by, Some(ScoredBy::Environment));
+}
+
+#[test]
+fn shadow_mode_shows_the_prediction_to_the_approval_hook() {
+    let t = call_text("transfer", json!({"amount": 1}));
+    let r = run(
+        spec(&["x"]),
+        cfg(shadow()),
+        Script::default()
+            .actor(&[&t, "ok"])
+            .sim(vec![result_text(json!({"ok": true}))]),
+    );
+    let asks = r.approvals();
+    assert_eq!(asks.len(), 1);
+    assert_eq!(
+        asks[0].predicted.as_ref().and_then(SimulatedOutcome::value),
+        Some(json!({"ok": true}))
+    );
+}
+
+#[test]
+fn shadow_mode_records_fidelity_per_tool() {
+    let t = format!(
+        "{}{}",
+        call_text("get_balance", json!({"id": "a"})),
+        call_text("transfer", json!({"amount": 1}))
+    );
+    let r = run(
+        spec(&["x"]),
+        cfg(Mode::Shadow(LiveOptions {
+            approval: ApprovalGate::Off,
+            private_rehearsal: None,
+        })),
+        Script::default()
+            .actor(&[&t, "ok"])
+            .sim(vec![
+                result_text(json!({"balance": 7})),
+                result_text(json!({"ok": true})),
+            ])
+            .real(vec![
+                ToolResponse::Success {
+                    value: json!({"balance": 5}),
+                },
+                ToolResponse::Success {
+                    value: json!({"ok": true}),
+                },
+            ]),
+    );
+    let f = &r.outcome().stats.fidelity;
+    assert_eq!(f.per_tool["get_balance"].exact, 0);
+    assert_eq!(f.per_tool["get_balance"].mean_key_f1(), 1.0);
+    assert_eq!(f.per_tool["transfer"].exact, 1);
+    assert_eq!(f.total().calls, 2);
+}
+
+#[test]
+fn shadow_mode_unparseable_prediction_still_runs_the_real_call() {
+    let t = call_text("get_balance", json!({}));
+    let r = run(
+        spec(&["x"]),
+        cfg(shadow()),
+        Script::default()
+            .actor(&[&t, "ok"])
+            .sim(vec!["oops".into()]),
+    );
+    assert_eq!(r.real_calls().len(), 1);
+    assert_eq!(r.outcome().end, EndReason::Answered);
+    assert_eq!(r.outcome().stats.fidelity.total().exact, 0);
+    assert_eq!(r.outcome().stats.simulator_format_failures, 1);
+}
+
+// ---- Private Rehearsal --------------------------------------------------------------------
+
+#[test]
+fn private_rehearsal_runs_only_before_irreversible_calls() {
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(2, RehearsalStrategy::Sequential, RehearsalDepth::Turns(1)),
+    );
+    let r = run(
+        spec(&["bal"]),
+        cfg(mode),
+        Script::default().actor(&[&call_text("get_balance", json!({})), "5"]),
+    );
+    assert_eq!(r.count("rehearsal_start"), 0);
+    assert!(r.generates(GenRole::Simulator).is_empty());
+    assert_eq!(r.real_calls().len(), 1);
+}
+
+#[test]
+fn every_call_trigger_rehearses_reversible_calls_too() {
+    let mut p = pr(1, RehearsalStrategy::Sequential, RehearsalDepth::Turns(1));
+    p.trigger = RehearsalTrigger::EveryCall;
+    let get = call_text("get_balance", json!({}));
+    let r = run(
+        spec(&["bal"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            .actor(&[&get, &get, "5"])
+            .sim(vec![result_text(json!({"balance": 5}))]),
+    );
+    assert_eq!(r.count("rehearsal_start"), 1);
+    assert_eq!(r.real_calls().len(), 1);
+}
+
+#[test]
+fn parallel_rehearsal_batches_first_steps_and_runs_n_branches_before_one_real_call() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(3, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1)),
+    );
+    let r = run(
+        spec(&["pay 5"]),
+        cfg(mode),
+        Script::default()
+            // proposal, 2 batched first steps, commit, final answer
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer.clone(),
+                call_text("transfer", json!({"amount": 50})),
+                transfer.clone(),
+                "Paid.".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"ok": true})),
+                result_text(json!({"ok": true})),
+                result_text(json!({"error_tool_call": {"code": "limit", "message": "too much"}})),
+            ]),
+    );
+    let actor = r.generates(GenRole::Actor);
+    assert_eq!(
+        actor[1].n, 2,
+        "first steps of branches 1 and 2 in one batch"
+    );
+    assert_eq!(actor[1].branch, Some(1));
+    assert_eq!(r.generates(GenRole::Simulator).len(), 3);
+    assert!(
+        r.generates(GenRole::Simulator)
+            .iter()
+            .all(|g| g.branch.is_some())
+    );
+    assert_eq!(
+        r.real_calls().len(),
+        1,
+        "only the committed call runs for real"
+    );
+    assert_eq!(r.count("branch_start"), 3);
+    assert_eq!(r.count("branch_end"), 3);
+    assert_eq!(r.count("rehearsal_memory"), 1);
+    let o = r.outcome();
+    assert_eq!(o.stats.rehearsals, 1);
+    assert_eq!(o.stats.rehearsal_branches, 3);
+    assert_eq!(o.trace.actions.len(), 1);
+    // Commit prompt holds the memory; the proposal never entered the conversation.
+    let commit = &actor[2].messages;
+    let note = &commit.last().expect("memory").content;
+    assert!(note.contains("Private rehearsal"), "{note}");
+    assert!(
+        note.contains("(×2)"),
+        "dedupe merges the two identical branches: {note}"
+    );
+    assert!(note.contains("call rejected: limit"), "{note}");
+    assert!(!commit.iter().any(|m| !m.tool_calls.is_empty()));
+    // Branch prompts never include the memory (parallel = independent).
+    assert!(
+        !actor[1]
+            .messages
+            .iter()
+            .any(|m| m.content.contains("Private rehearsal"))
+    );
+}
+
+#[test]
+fn sequential_rehearsal_shows_earlier_branches_to_later_ones() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(2, RehearsalStrategy::Sequential, RehearsalDepth::Turns(1)),
+    );
+    let r = run(
+        spec(&["pay"]),
+        cfg(mode),
+        Script::default()
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer.clone(),
+                transfer.clone(),
+                "ok".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"ok": 1})),
+                result_text(json!({"ok": 2})),
+            ]),
+    );
+    let actor = r.generates(GenRole::Actor);
+    // proposal, branch 1 (n=1, sees branch 0), commit, answer
+    assert_eq!(actor.len(), 4);
+    assert_eq!(actor[1].n, 1);
+    assert_eq!(actor[1].branch, Some(1));
+    let note = &actor[1].messages.last().expect("memory").content;
+    assert!(
+        note.contains("{\"ok\":1}") && !note.contains("{\"ok\":2}"),
+        "{note}"
+    );
+    let commit_note = &actor[2].messages.last().expect("memory").content;
+    assert!(commit_note.contains("{\"ok\":1}") && commit_note.contains("{\"ok\":2}"));
+}
+
+#[test]
+fn commit_turn_is_not_rehearsed_again() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(1, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1)),
+    );
+    let r = run(
+        spec(&["pay"]),
+        cfg(mode),
+        Script::default()
+            .actor_owned(vec![transfer.clone(), transfer.clone(), "done".into()])
+            .sim(vec![result_text(json!({"ok": true}))]),
+    );
+    assert_eq!(r.count("rehearsal_start"), 1);
+    assert_eq!(r.real_calls().len(), 1);
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+#[test]
+fn branch_runs_to_the_end_when_depth_is_unbounded() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(1, RehearsalStrategy::Parallel, RehearsalDepth::ToEnd),
+    );
+    let r = run(
+        spec(&["pay"]),
+        cfg(mode),
+        Script::default()
+            .actor_owned(vec![
+                transfer.clone(),
+                call_text("get_balance", json!({})),
+                "imagined done".into(),
+                transfer.clone(),
+                "done".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"ok": true})),
+                result_text(json!({"balance": 0})),
+            ]),
+    );
+    let end = r
+        .events
+        .iter()
+        .find_map(|e| match &e.event {
+            EventBody::BranchEnd { summary } => Some(summary.clone()),
+            _ => None,
+        })
+        .expect("branch end");
+    assert_eq!(end.steps.len(), 2);
+    assert_eq!(
+        end.end,
+        BranchEnd::Answered {
+            text: "imagined done".into()
+        }
+    );
+    assert_eq!(end.prediction, Prediction::Success);
+    assert_eq!(r.real_calls().len(), 1);
+}
+
+#[test]
+fn approval_request_after_rehearsal_carries_the_verdict() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = Mode::Real(LiveOptions {
+        approval: ApprovalGate::Irreversible,
+        private_rehearsal: Some(pr(2, RehearsalStrategy::Parallel, RehearsalDepth::ToEnd)),
+    });
+    let r = run(
+        spec(&["pay"]),
+        cfg(mode),
+        Script::default()
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer.clone(),
+                "paid".into(),
+                transfer.clone(),
+                "paid".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"error_tool_call": {"code": "x", "message": "y"}})),
+                result_text(json!({"ok": true})),
+            ]),
+    );
+    let asks = r.approvals();
+    assert_eq!(asks.len(), 1);
+    assert_eq!(
+        asks[0].rehearsal,
+        Some(RehearsalVerdict {
+            branches: 2,
+            predicted_success: 1,
+            predicted_failure: 1
+        })
+    );
+}
+
+#[test]
+fn shadow_mode_with_rehearsal_records_branches_and_fidelity() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Shadow,
+        pr(1, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1)),
+    );
+    let r = run(
+        spec(&["pay"]),
+        cfg(mode),
+        Script::default()
+            .actor_owned(vec![transfer.clone(), transfer.clone(), "done".into()])
+            .sim(vec![
+                result_text(json!({"ok": true})),
+                result_text(json!({"ok": false})),
+            ]),
+    );
+    assert_eq!(r.real_calls().len(), 1);
+    assert_eq!(r.count("fidelity"), 1);
+    assert_eq!(r.outcome().stats.fidelity.total().exact, 0);
+}
+
+#[test]
+fn session_from_a_rehearsed_episode_validates_and_rebuilds_its_branch_tree() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(3, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2)),
+    );
+    let r = run(
+        spec(&["pay"]),
+        cfg(mode),
+        Script::default()
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer.clone(),
+                "<tool_call>bad</tool_call>".into(),
+                "imagined answer".into(),
+                "imagined answer 2".into(),
+                transfer.clone(),
+                "done".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"ok": true})),
+                result_text(json!({"ok": true})),
+            ]),
+    );
+    let s = r.as_session();
+    let tree = SessionTree::build(&s.events);
+    let branches = tree.branches();
+    assert_eq!(branches.len(), 3);
+    let idx: Vec<usize> = branches.iter().map(|b| b.index).collect();
+    assert_eq!(idx, [0, 1, 2]);
+    for b in &branches {
+        assert!(matches!(
+            s.events[b.rehearsal].event,
+            EventBody::RehearsalStart { .. }
+        ));
+        assert!(matches!(
+            s.events[*b.events.last().expect("events")].event,
+            EventBody::BranchEnd { .. }
+        ));
+    }
+    // The main line holds no branch event and ends with the reward.
+    let main = tree.main_line();
+    assert!(main.iter().all(|&i| !matches!(
+        s.events[i].event,
+        EventBody::BranchStart { .. } | EventBody::BranchEnd { .. }
+    )));
+    assert!(matches!(
+        s.events[*main.last().expect("main")].event,
+        EventBody::Reward { .. }
+    ));
+    let ends: Vec<BranchEnd> = s
+        .events
+        .iter()
+        .filter_map(|e| match &e.event {
+            EventBody::BranchEnd { summary } => Some(summary.end.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ends[2], BranchEnd::ActorFormatError);
+}
+
+// ---- robustness ---------------------------------------------------------------------------
+
+#[test]
+fn stale_and_unexpected_events_are_ignored() {
+    let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
+    let _ = e.handle(Event::Start);
+    assert!(
+        e.handle(Event::GenerationDone {
+            id: 99,
+            generations: vec![gen_of("x")]
+        })
+        .is_empty()
+    );
+    assert!(
+        e.handle(Event::RealResult {
+            id: 0,
+            response: ToolResponse::Success { value: json!(1) }
+        })
+        .is_empty()
+    );
+    assert!(
+        e.handle(Event::ApprovalDecision {
+            id: 0,
+            decision: Decision::Approve
+        })
+        .is_empty()
+    );
+    assert!(
+        e.handle(Event::Error {
+            id: Some(42),
+            message: "other".into()
+        })
+        .is_empty()
+    );
+    assert_eq!(e.state_name(), "actor");
+    assert!(e.handle(Event::Start).is_empty());
+}
+
+#[test]
+fn cancel_ends_the_episode_without_a_score() {
+    let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
+    let _ = e.handle(Event::Start);
+    let effects = e.handle(Event::Cancel);
+    let Some(Effect::Finish(o)) = effects.last() else {
+        panic!("no finish: {effects:?}")
+    };
+    assert_eq!(o.end, EndReason::Cancelled);
+    assert_eq!(o.score, None);
+    assert!(!effects.iter().any(|f| matches!(f, Effect::Score { .. })));
+    assert!(e.is_done());
+    assert!(e.handle(Event::Cancel).is_empty());
+}
+
+#[test]
+fn model_error_fails_the_episode_without_a_score() {
+    let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
+    let _ = e.handle(Event::Start);
+    let effects = e.handle(Event::Error {
+        id: Some(0),
+        message: "oom".into(),
+    });
+    let Some(Effect::Finish(o)) = effects.last() else {
+        panic!("no finish")
+    };
+    assert_eq!(
+        o.end,
+        EndReason::Failed {
+            message: "oom".into()
+        }
+    );
+    assert_eq!(o.score, None);
+}
+
+#[test]
+fn empty_generation_list_fails_the_episode() {
+    let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
+    let _ = e.handle(Event::Start);
+    let effects = e.handle(Event::GenerationDone {
+        id: 0,
+        generations: vec![],
+    });
+    assert!(
+        matches!(effects.last(), Some(Effect::Finish(o)) if matches!(o.end, EndReason::Failed { .. }))
+    );
+}
+
+#[test]
+fn scoring_error_finishes_without_a_score() {
+    let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
+    let _ = e.handle(Event::Start);
+    let effects = e.handle(Event::GenerationDone {
+        id: 0,
+        generations: vec![gen_of("hi")],
+    });
+    let Some(Effect::Score { id, .. }) = effects.last() else {
+        panic!("no score")
+    };
+    let effects = e.handle(Event::Error {
+        id: Some(*id),
+        message: "scorer crashed".into(),
+    });
+    assert!(
+        matches!(effects.last(), Some(Effect::Finish(o)) if o.score.is_none() && o.end == EndReason::Answered)
+    );
+}
+
+#[test]
+fn same_script_gives_identical_events() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let script = || {
+        Script::default()
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer.clone(),
+                transfer.clone(),
+                "ok".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"a": 1})),
+                result_text(json!({"b": 2})),
+            ])
+    };
+    let mode = with_rehearsal(
+        Mode::Shadow,
+        pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1)),
+    );
+    let a = run(spec(&["x"]), cfg(mode.clone()), script());
+    let b = run(spec(&["x"]), cfg(mode), script());
+    assert_eq!(a.events, b.events);
+    assert_eq!(a.effects, b.effects);
+}
+
+#[test]
+fn request_seeds_are_distinct_and_reproducible() {
+    let t = call_text("get_balance", json!({}));
+    let r = run(
+        spec(&["x"]),
+        cfg(shadow()),
+        Script::default().actor(&[&t, "ok"]),
+    );
+    let seeds: Vec<u64> = r
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Generate(g) => Some(g.sampling.seed),
+            _ => None,
+        })
+        .collect();
+    let mut unique = seeds.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), seeds.len());
+}

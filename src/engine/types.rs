@@ -1,0 +1,414 @@
+//! The engine's vocabulary: episode inputs ([`EpisodeSpec`]), configuration ([`EngineConfig`],
+//! whose [`Mode`] nests the options that only make sense with a real environment), and the
+//! plain data the FSM reports and sessions record (end reasons, approval decisions, rehearsal
+//! branch summaries). Pure data: no behaviour beyond small helpers.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::parse::{SimFormatError, SimOutput};
+use crate::env::ToolSpec;
+use crate::message::ToolCall;
+use crate::runtime::SamplingParams;
+
+/// Which role a generation plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GenRole {
+    Actor,
+    Simulator,
+}
+
+/// A recorded `(name, arguments, response)` example shown to the simulator (few-shot).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedExample {
+    pub name: String,
+    pub arguments: Value,
+    pub response: Value,
+}
+
+/// Everything the engine needs to know about one episode's task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeSpec {
+    pub task_id: Option<String>,
+    /// System prompt: the environment's policy and the task's instructions.
+    pub system: String,
+    /// User turns: the first opens the episode; each later one is sent after the actor's
+    /// final answer to the previous one (scripted multi-turn tasks).
+    pub user_turns: Vec<String>,
+    pub tools: Vec<ToolSpec>,
+    /// Few-shot examples for the simulator (e.g. the task's gold run during training).
+    #[serde(default)]
+    pub examples: Vec<RecordedExample>,
+}
+
+/// How the world answers tool calls. The options that need a real environment (Private
+/// Rehearsal, the approval gate) exist only inside the modes that have one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum Mode {
+    /// The environment answers every call.
+    Real(LiveOptions),
+    /// The simulator predicts, then the environment answers; the actor sees the real answer.
+    Shadow(LiveOptions),
+    /// The simulator answers every call; the real environment is never called.
+    Rehearse,
+}
+
+impl Mode {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Real(_) => "real",
+            Self::Shadow(_) => "shadow",
+            Self::Rehearse => "rehearse",
+        }
+    }
+    pub fn live(&self) -> Option<&LiveOptions> {
+        match self {
+            Self::Real(l) | Self::Shadow(l) => Some(l),
+            Self::Rehearse => None,
+        }
+    }
+}
+
+/// Options of the modes with a real environment.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LiveOptions {
+    pub approval: ApprovalGate,
+    /// Private Rehearsal before real calls; `None` = off.
+    pub private_rehearsal: Option<PrivateRehearsal>,
+}
+
+/// Which real calls must be approved before they run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalGate {
+    /// Only irreversible calls (destructive, not read-only): the default.
+    #[default]
+    Irreversible,
+    /// Every real call.
+    EveryCall,
+    /// No call is gated.
+    Off,
+}
+
+/// Private Rehearsal settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrivateRehearsal {
+    /// Number of imagined branches N (≥ 1).
+    pub branches: usize,
+    pub strategy: RehearsalStrategy,
+    pub trigger: RehearsalTrigger,
+    pub depth: RehearsalDepth,
+    pub memory: MemoryConfig,
+    /// Sampling for the imagined actor turns and simulations (low temperature recommended).
+    pub sampling: SamplingParams,
+}
+
+impl Default for PrivateRehearsal {
+    fn default() -> Self {
+        Self {
+            branches: 4,
+            strategy: RehearsalStrategy::Parallel,
+            trigger: RehearsalTrigger::Irreversible,
+            depth: RehearsalDepth::Turns(2),
+            memory: MemoryConfig::default(),
+            sampling: SamplingParams {
+                temperature: 0.3,
+                top_p: Some(0.95),
+                max_tokens: 512,
+                ..SamplingParams::default()
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RehearsalStrategy {
+    /// Independent branches (first steps sampled as one batch).
+    Parallel,
+    /// Each branch sees the memory of the earlier ones.
+    Sequential,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RehearsalTrigger {
+    /// Before turns that contain an irreversible call.
+    Irreversible,
+    /// Before every turn with calls.
+    EveryCall,
+}
+
+/// How far a branch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "turns", rename_all = "snake_case")]
+pub enum RehearsalDepth {
+    /// At most this many imagined actor turns (≥ 1).
+    Turns(u32),
+    /// Until the imagined episode ends (bounded by the turn limit).
+    ToEnd,
+}
+
+/// How a rehearsal memory is written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryConfig {
+    pub format: MemoryFormat,
+    /// Merge branches with the same actions and outcomes.
+    pub dedupe: bool,
+    pub selection: MemorySelection,
+    /// Simulated results longer than this are cut (characters).
+    pub max_result_chars: usize,
+    pub placement: MemoryPlacement,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            format: MemoryFormat::Compact,
+            dedupe: true,
+            selection: MemorySelection::All,
+            max_result_chars: 200,
+            placement: MemoryPlacement::UserMessage,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryFormat {
+    /// One line per branch: actions → outcomes → prediction.
+    Compact,
+    /// Every step with its full simulated result.
+    Full,
+    /// The branch summaries as JSON.
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "k", rename_all = "snake_case")]
+pub enum MemorySelection {
+    All,
+    /// Branches predicted to succeed first, then the others, at most `k`.
+    SuccessFirst(usize),
+    /// Only branches predicted to fail (what to avoid), at most `k`.
+    FailuresOnly(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryPlacement {
+    /// A user-role note appended after the conversation (works with every chat template).
+    UserMessage,
+    /// Appended to the system prompt.
+    SystemSuffix,
+}
+
+/// What happens when the simulator's output does not parse or it rejects the call (in the
+/// modes where the simulator answers; in shadow mode the real answer is used anyway).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SimFailurePolicy {
+    /// The paper's semantics: the episode ends with reward 0.
+    #[default]
+    EndWithZeroReward,
+    /// The actor receives an error tool message and continues.
+    ShowErrorToActor,
+}
+
+/// Simulator prompt settings (see `prompts::simulator`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimPromptConfig {
+    /// Keep only the last this many conversation messages (0 = all).
+    pub max_history_messages: usize,
+    /// Cut each message or result to this many characters.
+    pub max_message_chars: usize,
+    /// Few-shot examples to show (same tool first).
+    pub max_examples: usize,
+    /// Include the system prompt (policy) in the simulator's context.
+    pub include_policy: bool,
+}
+
+impl Default for SimPromptConfig {
+    fn default() -> Self {
+        Self {
+            max_history_messages: 12,
+            max_message_chars: 600,
+            max_examples: 4,
+            include_policy: false,
+        }
+    }
+}
+
+/// Engine configuration for one episode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    pub mode: Mode,
+    /// Maximum actor turns on the main line (a rehearsal commit does not count again).
+    pub max_turns: u32,
+    pub sim_failure: SimFailurePolicy,
+    pub actor_sampling: SamplingParams,
+    pub simulator_sampling: SamplingParams,
+    pub actor_thinking: bool,
+    pub simulator_thinking: bool,
+    pub sim_prompt: SimPromptConfig,
+    /// Add real responses seen in this episode to the simulator's few-shot pool.
+    pub learn_examples_from_real: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Real(LiveOptions::default()),
+            max_turns: 12,
+            sim_failure: SimFailurePolicy::default(),
+            actor_sampling: SamplingParams {
+                max_tokens: 512,
+                ..SamplingParams::default()
+            },
+            simulator_sampling: SamplingParams {
+                max_tokens: 384,
+                ..SamplingParams::default()
+            },
+            actor_thinking: true,
+            simulator_thinking: false,
+            sim_prompt: SimPromptConfig::default(),
+            learn_examples_from_real: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Set the base seed of every sampler (actor, simulator, rehearsal); each request then
+    /// derives its own seed from it, so one episode seed reproduces the whole episode.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.actor_sampling.seed = seed;
+        self.simulator_sampling.seed = seed;
+        if let Mode::Real(l) | Mode::Shadow(l) = &mut self.mode
+            && let Some(pr) = &mut l.private_rehearsal
+        {
+            pr.sampling.seed = seed;
+        }
+        self
+    }
+}
+
+/// A human (or policy) answer to an approval request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum Decision {
+    Approve,
+    /// Run the call with these arguments instead.
+    ApproveEdited {
+        arguments: Value,
+    },
+    /// Do not run it; the actor is told why and continues.
+    Reject {
+        reason: String,
+    },
+    /// Stop the episode.
+    Terminate,
+}
+
+/// Why an episode ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum EndReason {
+    /// The actor gave its final answer to the last user turn.
+    Answered,
+    TurnLimit,
+    /// The actor tried to call tools but no call could be parsed.
+    ActorFormatError,
+    SimulatorFormatError {
+        error: SimFormatError,
+    },
+    SimulatorRejected {
+        code: String,
+        message: String,
+    },
+    /// The approval hook asked to stop.
+    Terminated,
+    Cancelled,
+    /// The model or the environment failed (not the agent's fault).
+    Failed {
+        message: String,
+    },
+}
+
+impl EndReason {
+    pub fn is_normal(&self) -> bool {
+        matches!(self, Self::Answered)
+    }
+    /// Aborted episodes are not scored (they say nothing about the agent).
+    pub fn is_aborted(&self) -> bool {
+        matches!(self, Self::Cancelled | Self::Failed { .. })
+    }
+}
+
+/// Who produced the reward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoredBy {
+    /// The live environment (real and shadow modes).
+    Environment,
+    /// A fresh verifier copy that replayed the committed actions (rehearse mode).
+    Verifier,
+    /// Forced to zero by the simulator-failure policy, without scoring.
+    ForcedZero,
+}
+
+/// What a rehearsal branch predicts about the real outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "prediction", rename_all = "snake_case")]
+pub enum Prediction {
+    Success,
+    Failure { reason: String },
+    Unknown,
+}
+
+/// One imagined call and its simulated outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BranchStep {
+    pub call: ToolCall,
+    pub outcome: SimulatedOutcome,
+}
+
+/// A simulator answer or why there was none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum SimulatedOutcome {
+    Parsed { output: SimOutput },
+    Unparseable { error: SimFormatError },
+}
+
+impl SimulatedOutcome {
+    /// The parsed JSON (a rejection in its `error_tool_call` form), if any.
+    pub fn value(&self) -> Option<Value> {
+        match self {
+            Self::Parsed { output } => Some(output.to_json()),
+            Self::Unparseable { .. } => None,
+        }
+    }
+}
+
+/// How an imagined branch ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "end", rename_all = "snake_case")]
+pub enum BranchEnd {
+    Answered { text: String },
+    DepthReached,
+    TurnLimit,
+    Rejected { code: String, message: String },
+    SimulatorFormatError,
+    ActorFormatError,
+}
+
+/// A condensed rehearsal branch, as the memory and the session show it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BranchSummary {
+    pub index: usize,
+    pub steps: Vec<BranchStep>,
+    pub end: BranchEnd,
+    pub prediction: Prediction,
+}

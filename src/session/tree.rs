@@ -1,0 +1,91 @@
+//! Rebuild an episode's tree from `parent` links: the main line, and the rehearsal branches that
+//! hang off each `rehearsal_start`. Indices refer to `Session::events`.
+
+use std::collections::HashMap;
+
+use super::schema::{EventBody, EventRecord};
+
+/// Which rehearsal branch an event belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BranchRef {
+    /// Index of the `rehearsal_start` event.
+    pub rehearsal: usize,
+    /// The branch number within that rehearsal.
+    pub index: usize,
+}
+
+/// One rehearsal branch's events, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BranchView {
+    pub rehearsal: usize,
+    pub index: usize,
+    pub events: Vec<usize>,
+}
+
+/// The event tree of one session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionTree {
+    pub children: Vec<Vec<usize>>,
+    pub roots: Vec<usize>,
+    pub branch_of: Vec<Option<BranchRef>>,
+}
+
+impl SessionTree {
+    /// Build from events whose parents precede them (as the reader validates).
+    pub fn build(events: &[EventRecord]) -> Self {
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut children = vec![Vec::new(); events.len()];
+        let mut roots = Vec::new();
+        let mut branch_of: Vec<Option<BranchRef>> = Vec::with_capacity(events.len());
+        for (i, e) in events.iter().enumerate() {
+            let parent = e.parent.as_deref().and_then(|p| index.get(p).copied());
+            match parent {
+                Some(p) => children[p].push(i),
+                None => roots.push(i),
+            }
+            let inherited = parent.and_then(|p| branch_of[p]);
+            let own = match (&e.event, parent) {
+                (EventBody::BranchStart { index }, Some(p)) => Some(BranchRef {
+                    rehearsal: p,
+                    index: *index,
+                }),
+                _ => inherited,
+            };
+            branch_of.push(own);
+            index.insert(e.id.as_str(), i);
+        }
+        Self {
+            children,
+            roots,
+            branch_of,
+        }
+    }
+
+    /// Events outside every rehearsal branch, in file order.
+    pub fn main_line(&self) -> Vec<usize> {
+        (0..self.branch_of.len())
+            .filter(|&i| self.branch_of[i].is_none())
+            .collect()
+    }
+
+    /// All rehearsal branches, in order of first appearance.
+    pub fn branches(&self) -> Vec<BranchView> {
+        let mut out: Vec<BranchView> = Vec::new();
+        for (i, b) in self.branch_of.iter().enumerate() {
+            if let Some(b) = b {
+                match out
+                    .iter_mut()
+                    .find(|v| v.rehearsal == b.rehearsal && v.index == b.index)
+                {
+                    Some(v) => v.events.push(i),
+                    None => out.push(BranchView {
+                        rehearsal: b.rehearsal,
+                        index: b.index,
+                        events: vec![i],
+                    }),
+                }
+            }
+        }
+        out
+    }
+}
