@@ -27,6 +27,8 @@ pub enum Command {
     Bench(BenchCommand),
     /// Headless demo of the bundled model (what `cargo run --release` shows until the TUI lands).
     Demo(DemoArgs),
+    /// Train the bundled model from scratch on the built-in domains (tokenizer + SFT).
+    Pretrain(PretrainArgs),
     /// Task environments: built-in domains and MCP servers.
     Env {
         #[command(subcommand)]
@@ -107,4 +109,37 @@ pub struct BenchGenerateArgs {
 pub struct DemoArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct PretrainArgs {
+    /// Output model directory.
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Maximum optimizer steps.
+    #[arg(long, default_value_t = 3000)]
+    pub steps: usize,
+    /// Wall-clock budget in minutes (training stops early, keeping what it learned).
+    #[arg(long, default_value_t = 15.0)]
+    pub minutes: f64,
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 768)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 256)]
+    pub hidden: usize,
+    #[arg(long, default_value_t = 6)]
+    pub layers: usize,
+    /// Metrics JSONL (one object per step).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Print corpus statistics and samples, train nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[arg(long)]
+    pub json: bool,
 }

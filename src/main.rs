@@ -19,6 +19,7 @@ fn main() -> Result<()> {
         None => demo(None),
         Some(Command::Demo(a)) => demo(a.model),
         Some(Command::Generate(a)) => generate(a),
+        Some(Command::Pretrain(a)) => pretrain(a),
         Some(Command::Env { command }) => tokio_runtime()?.block_on(env_cli::run_env(command)),
         Some(Command::Tasks(args)) => env_cli::run_tasks(args),
         Some(Command::Eval {
@@ -36,6 +37,35 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn pretrain(a: cli::PretrainArgs) -> Result<()> {
+    use envace::train::metrics::{JsonlSink, MetricsSink, NullSink};
+    use envace::train::pretrain::{PretrainConfig, run_pretrain};
+    let mut cfg = PretrainConfig {
+        seed: a.seed,
+        vocab_size: a.vocab,
+        hidden_size: a.hidden,
+        layers: a.layers,
+        ..Default::default()
+    };
+    cfg.intermediate_size = a.hidden * 11 / 4;
+    cfg.sft.steps = a.steps;
+    cfg.sft.batch_size = a.batch;
+    cfg.sft.lr = a.lr;
+    cfg.sft.time_budget_s = Some(a.minutes * 60.0);
+    if a.dry_run {
+        let stats = envace::train::pretrain::dry_run(&cfg)?;
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+        return Ok(());
+    }
+    let mut sink: Box<dyn MetricsSink> = match &a.metrics {
+        Some(p) => Box::new(JsonlSink::create(p, a.json)?),
+        None => Box::new(NullSink),
+    };
+    let report = run_pretrain(&cfg, &a.out, sink.as_mut(), &CancelToken::new())?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
 }
 
 fn tokio_runtime() -> Result<tokio::runtime::Runtime> {

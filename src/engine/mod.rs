@@ -19,6 +19,7 @@ pub mod fidelity;
 pub mod fsm;
 pub mod parse;
 pub mod prompts;
+pub mod spec;
 pub mod types;
 
 pub use driver::{

@@ -228,6 +228,10 @@ pub struct SimPromptConfig {
     pub max_examples: usize,
     /// Include the system prompt (policy) in the simulator's context.
     pub include_policy: bool,
+    /// Compact form for small models: a one-line instruction and tools as `name(params)`
+    /// instead of full JSON schemas. A model's `envace.json` says which form it was trained on.
+    #[serde(default)]
+    pub compact: bool,
 }
 
 impl Default for SimPromptConfig {
@@ -237,6 +241,7 @@ impl Default for SimPromptConfig {
             max_message_chars: 600,
             max_examples: 4,
             include_policy: false,
+            compact: false,
         }
     }
 }

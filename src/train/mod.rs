@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod pretrain;
 pub mod sft;
 pub mod tokenizer;
 

@@ -64,31 +64,34 @@ pub struct SftReport {
     pub tokens_per_s: f64,
 }
 
-/// Example indices of `step`'s batch: epochs are seeded permutations, consumed in order.
-pub fn batch_indices(n: usize, batch: usize, seed: u64, step: usize) -> Vec<usize> {
-    let mut out = Vec::with_capacity(batch);
-    if n == 0 {
-        return out;
+/// Example indices of `step`'s batch. Each epoch is a seeded permutation, cut into windows of
+/// 32 batches whose examples are sorted by length (little padding), with the batch order
+/// shuffled again; the whole order is a function of (seed, step), so a resumed run sees exactly
+/// the batches it would have seen.
+pub fn batch_indices(lengths: &[usize], batch: usize, seed: u64, step: usize) -> Vec<usize> {
+    let n = lengths.len();
+    if n == 0 || batch == 0 {
+        return Vec::new();
     }
-    let start = step * batch;
-    let mut epoch = start / n;
-    let mut perm = epoch_perm(n, seed, epoch);
-    for off in start..start + batch {
-        let e = off / n;
-        if e != epoch {
-            epoch = e;
-            perm = epoch_perm(n, seed, epoch);
-        }
-        out.push(perm[off % n]);
-    }
-    out
+    let per_epoch = n.div_ceil(batch);
+    let epoch = step / per_epoch;
+    let batches = epoch_batches(lengths, batch, seed, epoch);
+    batches.get(step % per_epoch).cloned().unwrap_or_default()
 }
 
-fn epoch_perm(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+fn epoch_batches(lengths: &[usize], batch: usize, seed: u64, epoch: usize) -> Vec<Vec<usize>> {
+    let n = lengths.len();
     let mut p: Vec<usize> = (0..n).collect();
     let mut rng = StdRng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     p.shuffle(&mut rng);
-    p
+    let mut batches = Vec::with_capacity(n.div_ceil(batch));
+    for window in p.chunks(batch * 32) {
+        let mut w = window.to_vec();
+        w.sort_by_key(|&i| (lengths[i], i));
+        batches.extend(w.chunks(batch).map(<[usize]>::to_vec));
+    }
+    batches.shuffle(&mut rng);
+    batches
 }
 
 /// Train. With `out`, checkpoints go to `out/checkpoint-STEP` and `out/final`; with `resume`,
@@ -116,6 +119,7 @@ pub fn run_sft(
         })
         .filter(|e| e.trained_tokens() > 0)
         .collect();
+    let lengths: Vec<usize> = examples.iter().map(|e| e.ids.len()).collect();
     let mut opt = AdamW::new(
         model.named_vars(),
         AdamWConfig {
@@ -143,7 +147,7 @@ pub fn run_sft(
             sink.log(&format!("time budget of {b:.0}s reached at step {step}"));
             break;
         }
-        let idx = batch_indices(examples.len(), cfg.batch_size, cfg.seed, step);
+        let idx = batch_indices(&lengths, cfg.batch_size, cfg.seed, step);
         let batch: Vec<&Example> = idx.iter().map(|&i| &examples[i]).collect();
         let (loss, n) = masked_nll(&model.decoder, &batch)?;
         let grads = loss.backward()?;

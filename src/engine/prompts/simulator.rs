@@ -21,6 +21,21 @@ examples and the conversation. Answer only <execution_result>JSON</execution_res
 a non-empty object or array. If a check fails, answer <execution_result>{\"error_tool_call\": \
 {\"code\": \"...\", \"message\": \"...\"}}</execution_result>.";
 
+/// The compact instruction (see `SimPromptConfig::compact`).
+pub const SIMULATOR_INSTRUCTION_COMPACT: &str =
+    "Simulate the tool call. Answer <execution_result>JSON</execution_result>.";
+
+/// `name(param,param)` for the compact tool list.
+pub fn compact_signature(t: &ToolSpec) -> String {
+    let params: Vec<&str> = t
+        .input_schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    format!("{}({})", t.name, params.join(","))
+}
+
 /// What the simulator prompt is built from.
 #[derive(Debug, Clone, Copy)]
 pub struct SimulatorPromptInput<'a> {
@@ -93,12 +108,17 @@ pub fn simulator_prompt(input: &SimulatorPromptInput<'_>, cfg: &SimPromptConfig)
     let mut u = String::new();
 
     u.push_str("# Allowed tools\n");
-    for t in input.tools {
-        let _ = writeln!(
-            u,
-            "{}",
-            json!({"name": t.name, "description": t.description, "parameters": t.input_schema})
-        );
+    if cfg.compact {
+        let sigs: Vec<String> = input.tools.iter().map(compact_signature).collect();
+        let _ = writeln!(u, "{}", sigs.join(" "));
+    } else {
+        for t in input.tools {
+            let _ = writeln!(
+                u,
+                "{}",
+                json!({"name": t.name, "description": t.description, "parameters": t.input_schema})
+            );
+        }
     }
 
     let examples = select_examples(input.examples, &input.call.name, cfg.max_examples);
@@ -145,7 +165,14 @@ pub fn simulator_prompt(input: &SimulatorPromptInput<'_>, cfg: &SimPromptConfig)
             let _ = writeln!(u, "{}", line(m, max));
         }
     }
-    if let Some(m) = latest_msg {
+    // In compact form the latest message is left out when it says nothing beyond this call.
+    let redundant = |m: &Message| {
+        cfg.compact
+            && m.content.trim().is_empty()
+            && m.tool_calls.len() == 1
+            && m.tool_calls[0].function == *input.call
+    };
+    if let Some(m) = latest_msg.filter(|m| !redundant(m)) {
         let _ = writeln!(u, "\n# Latest assistant message\n{}", line(m, max));
     }
     if !after.is_empty() {
@@ -156,7 +183,12 @@ pub fn simulator_prompt(input: &SimulatorPromptInput<'_>, cfg: &SimPromptConfig)
     }
     let _ = write!(u, "\n# Call to simulate\n{}", format_call(input.call));
 
-    vec![Message::system(SIMULATOR_INSTRUCTION), Message::user(u)]
+    let instruction = if cfg.compact {
+        SIMULATOR_INSTRUCTION_COMPACT
+    } else {
+        SIMULATOR_INSTRUCTION
+    };
+    vec![Message::system(instruction), Message::user(u)]
 }
 
 /// A recorded example from a real response (the JSON the actor saw).

@@ -1,0 +1,431 @@
+//! `envace pretrain`: builds the bundled model from scratch on the built-in domains. The corpus
+//! is the train split's gold runs, as the engine will show them: actor conversations (trained on
+//! the assistant turns: tool calls, including ones that fail, and replies) and one simulator
+//! prompt per call (trained on the real response, errors included), then a byte-level BPE
+//! tokenizer (digits split, entity names kept out of the merges so held-out names tokenise like
+//! training ones), then SFT. Writes an HF checkpoint directory plus `envace.json` (the prompt
+//! profile the engine must use with it).
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::TrainError;
+use super::metrics::MetricsSink;
+use super::model::{Example, TrainableModel};
+use super::sft::{SftConfig, SftReport, run_sft};
+use crate::engine::prompts::actor::tools_json;
+use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
+use crate::engine::spec::gold_conversation;
+use crate::engine::types::{RecordedExample, SimPromptConfig};
+use crate::env::domains::Domain;
+use crate::env::tasks::{Split, list_tasks};
+use crate::message::{Message, Role};
+use crate::runtime::CancelToken;
+use crate::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, ChatTemplate};
+use crate::runtime::config::{DecoderConfig, Family};
+use crate::runtime::fixture::tokenizer_config_with;
+use crate::runtime::tokenizer::Tokenizer;
+
+/// The prompt profile stored next to a model (`envace.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptProfile {
+    pub sim_prompt: SimPromptConfig,
+    pub actor_thinking: bool,
+}
+
+impl PromptProfile {
+    /// The profile of the bundled model: compact simulator prompts, no thinking.
+    pub fn compact() -> Self {
+        Self {
+            sim_prompt: SimPromptConfig {
+                max_history_messages: 6,
+                max_message_chars: 300,
+                max_examples: 2,
+                include_policy: false,
+                compact: true,
+            },
+            actor_thinking: false,
+        }
+    }
+
+    /// Read `envace.json` from a model directory, if there is one.
+    pub fn read(model_dir: &Path) -> Result<Option<Self>, TrainError> {
+        let p = model_dir.join("envace.json");
+        if !p.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&p)
+            .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))?;
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))
+    }
+}
+
+/// Pretraining settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PretrainConfig {
+    pub seed: u64,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub intermediate_size: usize,
+    pub max_len: usize,
+    pub sft: SftConfig,
+}
+
+impl Default for PretrainConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            vocab_size: 768,
+            hidden_size: 256,
+            layers: 6,
+            heads: 8,
+            kv_heads: 4,
+            intermediate_size: 704,
+            max_len: 512,
+            sft: SftConfig {
+                steps: 3000,
+                batch_size: 16,
+                lr: 2e-3,
+                warmup: 100,
+                min_lr_ratio: 0.05,
+                weight_decay: 0.01,
+                grad_clip: 1.0,
+                seed: 0,
+                max_len: 512,
+                checkpoint_every: 0,
+                time_budget_s: Some(900.0),
+            },
+        }
+    }
+}
+
+/// A rendered training text split into (text, trained) segments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Segmented {
+    pub role: Role,
+    pub segments: Vec<(String, bool)>,
+}
+
+impl Segmented {
+    pub fn text(&self) -> String {
+        self.segments.iter().map(|(s, _)| s.as_str()).collect()
+    }
+
+    /// Tokenise segment by segment so that the mask lines up with token boundaries.
+    pub fn to_example(&self, tok: &Tokenizer) -> Result<Example, TrainError> {
+        let mut ids = Vec::new();
+        let mut mask = Vec::new();
+        for (s, trained) in &self.segments {
+            let t = tok.encode(s)?;
+            mask.extend(std::iter::repeat_n(
+                if *trained { 1.0 } else { 0.0 },
+                t.len(),
+            ));
+            ids.extend(t);
+        }
+        Ok(Example { ids, mask })
+    }
+}
+
+/// Split `full` into untrained / trained parts at the given (start, end) byte ranges.
+fn segment(full: &str, trained: &[(usize, usize)]) -> Vec<(String, bool)> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for &(a, b) in trained {
+        if a > pos {
+            out.push((full[pos..a].to_string(), false));
+        }
+        out.push((full[a..b].to_string(), true));
+        pos = b;
+    }
+    if pos < full.len() {
+        out.push((full[pos..].to_string(), false));
+    }
+    out
+}
+
+const END: &str = "<|im_end|>";
+
+/// The actor text of a conversation: every assistant message (content, calls, `<|im_end|>`)
+/// is trained.
+pub fn actor_text(
+    t: &ChatTemplate,
+    msgs: &[Message],
+    tools: &[Value],
+) -> Result<Segmented, TrainError> {
+    let full = t.render(msgs, tools, false, false)?;
+    let mut ranges = Vec::new();
+    for (i, m) in msgs.iter().enumerate() {
+        if m.role != Role::Assistant {
+            continue;
+        }
+        let start = t.render(&msgs[..i], tools, true, false)?.len();
+        let end = t.render(&msgs[..=i], tools, false, false)?.len();
+        let body = &full[start..end];
+        let cut = body
+            .rfind(END)
+            .map(|p| start + p + END.len())
+            .unwrap_or(end);
+        ranges.push((start, cut));
+    }
+    Ok(Segmented {
+        role: Role::Assistant,
+        segments: segment(&full, &ranges),
+    })
+}
+
+/// The simulator text for one call: its prompt, then the trained result.
+pub fn simulator_text(
+    t: &ChatTemplate,
+    prompt: &[Message],
+    result: &Value,
+) -> Result<Segmented, TrainError> {
+    let p = t.render(prompt, &[], true, false)?;
+    let target = format!("<execution_result>{result}</execution_result>{END}");
+    Ok(Segmented {
+        role: Role::Tool,
+        segments: vec![(p, false), (target, true)],
+    })
+}
+
+/// Every actor and simulator text of a domain split.
+pub fn corpus(
+    domains: &[Domain],
+    split: Split,
+    profile: &PromptProfile,
+) -> Result<Vec<Segmented>, TrainError> {
+    let t = ChatTemplate::new(COMPACT_TOOLS_TEMPLATE, "", END)?;
+    let mut out = Vec::new();
+    for &d in domains {
+        let tools = d.tools();
+        let tj = tools_json(&tools);
+        for task in list_tasks(d, Some(split)) {
+            let (msgs, calls) =
+                gold_conversation(task).map_err(|e| TrainError::Data(e.to_string()))?;
+            out.push(actor_text(&t, &msgs, &tj)?);
+            for (k, gc) in calls.iter().enumerate() {
+                // Few-shot pool: the task's other gold steps (never the answer being trained).
+                let examples: Vec<RecordedExample> = calls
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| *j != k)
+                    .map(|(_, o)| RecordedExample {
+                        name: o.call.name.clone(),
+                        arguments: o.call.arguments.clone(),
+                        response: o.response.clone(),
+                    })
+                    .collect();
+                let prompt = simulator_prompt(
+                    &SimulatorPromptInput {
+                        tools: &tools,
+                        examples: &examples,
+                        conversation: &msgs[..=gc.message],
+                        call: &gc.call,
+                    },
+                    &profile.sim_prompt,
+                );
+                out.push(simulator_text(&t, &prompt, &gc.response)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Text for tokenizer training: capitalised words (entity names) are removed so that names
+/// never become merged tokens.
+fn tokenizer_corpus(texts: &[Segmented]) -> Vec<String> {
+    texts
+        .iter()
+        .map(|s| {
+            s.text()
+                .split(' ')
+                .filter(|w| !w.chars().next().is_some_and(char::is_uppercase))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+/// Corpus statistics and one sample text per role (`envace pretrain --dry-run`).
+pub fn corpus_stats(texts: &[Segmented], tok: Option<&Tokenizer>) -> Value {
+    let mut by_role = serde_json::Map::new();
+    for role in [Role::Assistant, Role::Tool] {
+        let items: Vec<&Segmented> = texts.iter().filter(|t| t.role == role).collect();
+        let chars: Vec<usize> = items.iter().map(|t| t.text().len()).collect();
+        let tokens: Vec<usize> = match tok {
+            Some(tok) => items
+                .iter()
+                .filter_map(|t| tok.encode(&t.text()).ok().map(|v| v.len()))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mean = |v: &[usize]| v.iter().sum::<usize>() as f64 / v.len().max(1) as f64;
+        let name = if role == Role::Assistant {
+            "actor"
+        } else {
+            "simulator"
+        };
+        by_role.insert(
+            name.into(),
+            json!({
+                "texts": items.len(),
+                "mean_chars": mean(&chars),
+                "mean_tokens": mean(&tokens),
+                "max_tokens": tokens.iter().max(),
+                "sample": items.first().map(|t| t.text()),
+            }),
+        );
+    }
+    Value::Object(by_role)
+}
+
+/// The corpus of the bundled model's recipe, tokenised with a freshly trained tokenizer.
+pub fn dry_run(cfg: &PretrainConfig) -> Result<Value, TrainError> {
+    let texts = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact())?;
+    let tok = Tokenizer::from_inner(super::tokenizer::train_bpe(
+        &tokenizer_corpus(&texts),
+        cfg.vocab_size,
+        8,
+    )?);
+    Ok(corpus_stats(&texts, Some(&tok)))
+}
+
+/// What `envace pretrain` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct PretrainReport {
+    pub out: String,
+    pub vocab_size: usize,
+    pub parameters: usize,
+    pub actor_examples: usize,
+    pub simulator_examples: usize,
+    pub mean_tokens: f64,
+    pub sft: SftReport,
+    pub seconds: f64,
+}
+
+/// Run the whole pipeline into `out` (an HF checkpoint directory).
+pub fn run_pretrain(
+    cfg: &PretrainConfig,
+    out: &Path,
+    sink: &mut dyn MetricsSink,
+    cancel: &CancelToken,
+) -> Result<PretrainReport, TrainError> {
+    let t0 = Instant::now();
+    let profile = PromptProfile::compact();
+    let texts = corpus(&Domain::ALL, Split::Train, &profile)?;
+    sink.log(&format!("corpus: {} texts", texts.len()));
+    let work = out.with_extension("work");
+    std::fs::create_dir_all(&work)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", work.display())))?;
+    let hf_tok = super::tokenizer::train_bpe(&tokenizer_corpus(&texts), cfg.vocab_size, 8)?;
+    let tok_path = work.join("tokenizer.json");
+    super::tokenizer::save(&hf_tok, &tok_path)?;
+    let tc = tokenizer_config_with(COMPACT_TOOLS_TEMPLATE);
+    std::fs::write(
+        work.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tc).unwrap_or_default(),
+    )
+    .map_err(|e| TrainError::Data(e.to_string()))?;
+    let tok = Tokenizer::from_inner(hf_tok);
+    let mut examples = Vec::with_capacity(texts.len());
+    let (mut actor, mut sim) = (0, 0);
+    for t in &texts {
+        match t.role {
+            Role::Assistant => actor += 1,
+            _ => sim += 1,
+        }
+        examples.push(t.to_example(&tok)?);
+    }
+    let mean_tokens =
+        examples.iter().map(|e| e.ids.len() as f64).sum::<f64>() / examples.len().max(1) as f64;
+    sink.log(&format!(
+        "tokenizer: {} tokens; {actor} actor + {sim} simulator examples, {mean_tokens:.0} tokens on average",
+        tok.vocab_size()
+    ));
+    let vocab = tok.vocab_size().div_ceil(64) * 64;
+    let im_end = tok
+        .token_to_id(END)
+        .ok_or_else(|| TrainError::Data("tokenizer lacks <|im_end|>".into()))?;
+    let dcfg = DecoderConfig {
+        family: Family::Llama,
+        vocab_size: vocab,
+        hidden_size: cfg.hidden_size,
+        intermediate_size: cfg.intermediate_size,
+        num_hidden_layers: cfg.layers,
+        num_attention_heads: cfg.heads,
+        num_key_value_heads: cfg.kv_heads,
+        head_dim: cfg.hidden_size / cfg.heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        max_position_embeddings: 2048,
+        tie_word_embeddings: true,
+        qkv_bias: false,
+        qk_norm: false,
+        rope_interleaved: false,
+        bos_token_id: None,
+        eos_token_ids: vec![im_end],
+    };
+    let device = candle_core::Device::Cpu;
+    let model = TrainableModel::init(&dcfg, cfg.seed, &device)?;
+    let mut sft = cfg.sft.clone();
+    sft.seed = cfg.seed;
+    sft.max_len = cfg.max_len;
+    let report = run_sft(
+        &model,
+        &examples,
+        &sft,
+        &tok_path,
+        Some(&work),
+        None,
+        sink,
+        cancel,
+    )?;
+    // The final checkpoint becomes the model directory; the prompt profile goes beside it.
+    let fin = work.join("final");
+    let profile_json = serde_json::to_string_pretty(&profile).unwrap_or_default();
+    std::fs::write(fin.join("envace.json"), profile_json)
+        .map_err(|e| TrainError::Data(e.to_string()))?;
+    for f in ["optimizer.safetensors"] {
+        let _ = std::fs::remove_file(fin.join(f));
+    }
+    let summary = json!({
+        "kind": "pretrain",
+        "config": cfg,
+        "vocab_size": tok.vocab_size(),
+        "parameters": dcfg.parameter_count(),
+        "actor_examples": actor,
+        "simulator_examples": sim,
+        "mean_tokens": mean_tokens,
+        "sft": report,
+    });
+    std::fs::write(
+        fin.join("pretrain.json"),
+        serde_json::to_string_pretty(&summary).unwrap_or_default(),
+    )
+    .map_err(|e| TrainError::Data(e.to_string()))?;
+    if out.exists() {
+        std::fs::remove_dir_all(out)
+            .map_err(|e| TrainError::Data(format!("{}: {e}", out.display())))?;
+    }
+    std::fs::rename(&fin, out).map_err(|e| TrainError::Data(format!("{}: {e}", out.display())))?;
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(PretrainReport {
+        out: out.display().to_string(),
+        vocab_size: tok.vocab_size(),
+        parameters: dcfg.parameter_count(),
+        actor_examples: actor,
+        simulator_examples: sim,
+        mean_tokens,
+        sft: report,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
