@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use envace::env::cli::{BfclEvalArgs, EnvCommand, TasksArgs};
+use envace::engine::runner::ModeChoice;
+use envace::env::cli::{BfclEvalArgs, EnvCommand, McpArgs, TasksArgs};
 use envace::runtime::DeviceChoice;
 
 #[derive(Debug, Parser)]
@@ -36,11 +37,121 @@ pub enum Command {
     },
     /// List the tasks of a built-in domain.
     Tasks(TasksArgs),
-    /// Evaluate.
-    Eval {
-        #[command(subcommand)]
-        command: EvalCommand,
+    /// Evaluate a model on a domain split (or `eval bfcl` to score recorded calls).
+    Eval(EvalArgs),
+    /// Run one episode: a built-in task or an MCP task.
+    Run(RunArgs),
+    /// Print a session step by step.
+    Replay {
+        file: PathBuf,
     },
+    /// Export a session (OpenAI chat JSONL).
+    Export(ExportArgs),
+}
+
+/// Mode and rehearsal flags shared by `run` and `eval`.
+#[derive(Debug, Args, Clone)]
+pub struct ModeArgs {
+    #[arg(long, value_enum, default_value = "real")]
+    pub mode: ModeChoice,
+    /// Private Rehearsal branches before a gated call (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub rehearsals: usize,
+    #[arg(long, value_enum, default_value = "parallel")]
+    pub rehearsal_mode: RehearsalModeArg,
+    #[arg(long, value_enum, default_value = "irreversible")]
+    pub rehearse_on: RehearseOnArg,
+    /// How a headless run answers the approval gate for irreversible real calls:
+    /// always approve, never approve, or auto (approve when Private Rehearsal predicted success).
+    #[arg(long, value_enum, default_value = "always")]
+    pub approve: ApproveArg,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 8)]
+    pub max_turns: u32,
+    /// Actor temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum RehearsalModeArg {
+    Parallel,
+    Sequential,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum RehearseOnArg {
+    Irreversible,
+    Every,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ApproveArg {
+    Always,
+    Never,
+    Auto,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub model: PathBuf,
+    /// A built-in domain (bank, retail, travel).
+    #[arg(long, conflicts_with = "mcp")]
+    pub env: Option<String>,
+    /// Task id (built-in domains) or id inside --task-file (MCP).
+    #[arg(long)]
+    pub task: Option<String>,
+    #[command(flatten)]
+    pub mcp: McpArgs,
+    /// MCP task file (see docs/TASKS.md).
+    #[arg(long)]
+    pub task_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub mode: ModeArgs,
+    /// Session file (default: the user's data directory).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct EvalArgs {
+    #[command(subcommand)]
+    pub command: Option<EvalCommand>,
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub model: PathBuf,
+    #[arg(long, required = true)]
+    pub env: Option<String>,
+    #[arg(long, default_value = "test")]
+    pub split: String,
+    #[arg(long)]
+    pub limit: Option<usize>,
+    #[command(flatten)]
+    pub mode: ModeArgs,
+    /// Where to write one session per task (default: the user's data directory).
+    #[arg(long)]
+    pub sessions: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    pub file: PathBuf,
+    #[arg(long, default_value = "openai")]
+    pub format: String,
+    /// Output file (default: stdout).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Also export the simulator's generations as their own conversations.
+    #[arg(long)]
+    pub include_simulator: bool,
 }
 
 #[derive(Debug, Subcommand)]

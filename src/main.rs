@@ -1,6 +1,7 @@
 //! The `envace` binary: parses the command line and calls into the library.
 
 mod cli;
+mod commands;
 
 use std::io::Write;
 use std::time::Instant;
@@ -8,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 
-use cli::{BenchCommand, Cli, Command, EvalCommand, GenerateArgs};
+use cli::{BenchCommand, Cli, Command, EvalArgs, EvalCommand, GenerateArgs};
 use envace::env::cli as env_cli;
 use envace::message::Message;
 use envace::runtime::{CancelToken, LanguageModel, LocalModel, SamplingParams};
@@ -22,9 +23,17 @@ fn main() -> Result<()> {
         Some(Command::Pretrain(a)) => pretrain(a),
         Some(Command::Env { command }) => tokio_runtime()?.block_on(env_cli::run_env(command)),
         Some(Command::Tasks(args)) => env_cli::run_tasks(args),
-        Some(Command::Eval {
-            command: EvalCommand::Bfcl(args),
-        }) => env_cli::run_eval_bfcl(args),
+        Some(Command::Eval(EvalArgs {
+            command: Some(EvalCommand::Bfcl(args)),
+            ..
+        })) => env_cli::run_eval_bfcl(args),
+        Some(Command::Eval(a)) => tokio_runtime()?.block_on(commands::eval(a)),
+        Some(Command::Run(a)) => tokio_runtime()?.block_on(commands::run(a)),
+        Some(Command::Replay { file }) => {
+            print!("{}", envace::session::replay_text(&file)?);
+            Ok(())
+        }
+        Some(Command::Export(a)) => commands::export(a),
         Some(Command::Bench(BenchCommand::Generate(a))) => {
             let model = LocalModel::load(&a.model, a.device)
                 .with_context(|| format!("loading {}", a.model.display()))?;

@@ -18,7 +18,9 @@ pub mod eval;
 pub mod fidelity;
 pub mod fsm;
 pub mod parse;
+pub mod profile;
 pub mod prompts;
+pub mod runner;
 pub mod spec;
 pub mod types;
 

@@ -84,7 +84,7 @@ pub struct McpArgs {
 }
 
 impl McpArgs {
-    fn config(&self) -> Result<Option<McpServerConfig>> {
+    pub fn config(&self) -> Result<Option<McpServerConfig>> {
         let timeout = Duration::from_secs_f64(self.timeout.max(0.001));
         if let Some(url) = &self.mcp_url {
             return Ok(Some(McpServerConfig::http(url).with_timeout(timeout)));

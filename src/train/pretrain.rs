@@ -19,7 +19,8 @@ use super::sft::{SftConfig, SftReport, run_sft};
 use crate::engine::prompts::actor::tools_json;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::engine::spec::gold_conversation;
-use crate::engine::types::{RecordedExample, SimPromptConfig};
+use crate::engine::profile::PromptProfile;
+use crate::engine::types::RecordedExample;
 use crate::env::domains::Domain;
 use crate::env::tasks::{Split, list_tasks};
 use crate::message::{Message, Role};
@@ -28,42 +29,6 @@ use crate::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, ChatTemplate};
 use crate::runtime::config::{DecoderConfig, Family};
 use crate::runtime::fixture::tokenizer_config_with;
 use crate::runtime::tokenizer::Tokenizer;
-
-/// The prompt profile stored next to a model (`envace.json`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PromptProfile {
-    pub sim_prompt: SimPromptConfig,
-    pub actor_thinking: bool,
-}
-
-impl PromptProfile {
-    /// The profile of the bundled model: compact simulator prompts, no thinking.
-    pub fn compact() -> Self {
-        Self {
-            sim_prompt: SimPromptConfig {
-                max_history_messages: 6,
-                max_message_chars: 300,
-                max_examples: 2,
-                include_policy: false,
-                compact: true,
-            },
-            actor_thinking: false,
-        }
-    }
-
-    /// Read `envace.json` from a model directory, if there is one.
-    pub fn read(model_dir: &Path) -> Result<Option<Self>, TrainError> {
-        let p = model_dir.join("envace.json");
-        if !p.is_file() {
-            return Ok(None);
-        }
-        let text = std::fs::read_to_string(&p)
-            .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))?;
-        serde_json::from_str(&text)
-            .map(Some)
-            .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))
-    }
-}
 
 /// Pretraining settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,178 @@
+//! Handlers of the episode commands (`run`, `eval`, `export`): argument plumbing only; the work
+//! is in `envace::engine::runner` and `envace::session`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+
+use crate::cli::{ApproveArg, EvalArgs, ExportArgs, ModeArgs, RehearsalModeArg, RehearseOnArg, RunArgs};
+use envace::engine::driver::{ApprovalPolicy, PolicyApprover, SharedModel, share_model};
+use envace::engine::profile::PromptProfile;
+use envace::engine::runner::{
+    ModeChoice, RunOptions, engine_config, eval_domain, header, run_domain_task, run_episode,
+};
+use envace::engine::types::{EpisodeSpec, RehearsalStrategy, RehearsalTrigger};
+use envace::engine::EpisodeOutcome;
+use envace::env::Environment;
+use envace::env::domains::Domain;
+use envace::env::mcp_client::{McpEnv, load_mcp_task_file};
+use envace::env::tasks::{Split, find_builtin};
+use envace::runtime::{CancelToken, LocalModel};
+use envace::session::{SessionWriter, default_sessions_dir, replay_text, resolve_session_path};
+
+pub fn run_options(m: &ModeArgs) -> RunOptions {
+    RunOptions {
+        mode: m.mode,
+        rehearsals: m.rehearsals,
+        rehearsal_mode: match m.rehearsal_mode {
+            RehearsalModeArg::Parallel => RehearsalStrategy::Parallel,
+            RehearsalModeArg::Sequential => RehearsalStrategy::Sequential,
+        },
+        rehearse_on: match m.rehearse_on {
+            RehearseOnArg::Irreversible => RehearsalTrigger::Irreversible,
+            RehearseOnArg::Every => RehearsalTrigger::EveryCall,
+        },
+        approve: match m.approve {
+            ApproveArg::Always => ApprovalPolicy::Always,
+            ApproveArg::Never => ApprovalPolicy::Never,
+            ApproveArg::Auto => ApprovalPolicy::Auto,
+        },
+        seed: m.seed,
+        max_turns: m.max_turns,
+        temperature: m.temperature,
+    }
+}
+
+/// Load a model and its prompt profile.
+pub fn load_model(path: &Path, m: &ModeArgs) -> Result<(SharedModel, Option<PromptProfile>)> {
+    let model = LocalModel::load(path, m.device).with_context(|| format!("loading model {}", path.display()))?;
+    let profile = PromptProfile::read(path)?;
+    Ok((share_model(Box::new(model)), profile))
+}
+
+fn outcome_json(o: &EpisodeOutcome, session: &Path) -> serde_json::Value {
+    serde_json::json!({
+        "session": session.display().to_string(),
+        "reward": o.reward(),
+        "end": o.end,
+        "score": o.score,
+        "stats": o.stats,
+    })
+}
+
+pub async fn run(a: RunArgs) -> Result<()> {
+    let opts = run_options(&a.mode);
+    let (model, profile) = load_model(&a.model, &a.mode)?;
+    let cancel = CancelToken::new();
+    let mut approver = PolicyApprover(opts.approve);
+    let (outcome, path) = if let Some(env) = &a.env {
+        let id = a.task.as_deref().context("--env needs --task ID (see `envace tasks DOMAIN`)")?;
+        let task = find_builtin(id).with_context(|| format!("unknown task `{id}` (see `envace tasks {env}`)"))?;
+        if task.domain != *env {
+            bail!("task `{id}` belongs to domain `{}`, not `{env}`", task.domain);
+        }
+        let path = resolve_session_path(a.out.clone(), env, Some(id), opts.seed)?;
+        let o = run_domain_task(&model, task, &opts, profile.as_ref(), &path, &mut approver, None, cancel).await?;
+        (o, path)
+    } else if let Some(cfg) = a.mcp.config()? {
+        if opts.mode == ModeChoice::Rehearse {
+            bail!(
+                "--mode rehearse is not available with an MCP server: scoring it would replay the calls on the real server"
+            );
+        }
+        let file = a.task_file.as_ref().context("--mcp needs --task-file FILE")?;
+        let tf = load_mcp_task_file(file)?;
+        let task = match &a.task {
+            Some(id) => tf.tasks.iter().find(|t| t.id == *id).with_context(|| format!("{}: no task `{id}`", file.display()))?,
+            None => tf.tasks.first().with_context(|| format!("{}: no tasks", file.display()))?,
+        }
+        .clone();
+        let mut env = McpEnv::connect(cfg).await?.with_tasks(tf.tasks.clone());
+        let tools = env.tools().await?;
+        let spec = EpisodeSpec {
+            task_id: Some(task.id.clone()),
+            system: format!("You are an assistant with the tools of `{}`. Use them, then answer the user.", env.name()),
+            user_turns: task.turns.clone(),
+            tools,
+            examples: Vec::new(),
+        };
+        let cfg = engine_config(&opts, profile.as_ref())?;
+        let name = env.name();
+        let path = resolve_session_path(a.out.clone(), &name, Some(&task.id), opts.seed)?;
+        let mut writer = SessionWriter::create(&path, &header(&model, &name, Some(task.id.clone()), &cfg, opts.seed))?;
+        let o = run_episode(&model, spec, cfg, &mut env, Some(task.id.clone()), &mut approver, &mut writer, None, cancel).await?;
+        let _ = env.close().await;
+        (o, path)
+    } else {
+        bail!("choose an environment: --env DOMAIN --task ID, or --mcp 'CMD' --task-file FILE");
+    };
+    if a.json {
+        println!("{}", outcome_json(&outcome, &path));
+    } else {
+        print!("{}", replay_text(&path)?);
+        println!("session: {}", path.display());
+    }
+    Ok(())
+}
+
+pub async fn eval(a: EvalArgs) -> Result<()> {
+    let env = a.env.as_deref().context("--env DOMAIN is required")?;
+    let domain = Domain::from_name(env)?;
+    let split = match a.split.as_str() {
+        "train" => Split::Train,
+        "test" => Split::Test,
+        other => bail!("--split: `{other}` (train or test)"),
+    };
+    let opts = run_options(&a.mode);
+    let (model, profile) = load_model(&a.model, &a.mode)?;
+    let dir: PathBuf = match &a.sessions {
+        Some(d) => d.clone(),
+        None => default_sessions_dir()
+            .context("no user data directory; pass --sessions DIR")?
+            .join(format!("eval-{env}-{}-s{}-{}", a.split, opts.seed, chrono::Utc::now().format("%Y%m%dT%H%M%S"))),
+    };
+    let quiet = a.json;
+    let (summary, _) = eval_domain(
+        &model,
+        domain,
+        split,
+        a.limit,
+        &opts,
+        profile.as_ref(),
+        &dir,
+        |i, n, o| {
+            if !quiet {
+                eprintln!("[{i}/{n}] reward {:.2} ({:?})", o.reward(), o.end);
+            }
+        },
+        CancelToken::new(),
+    )
+    .await?;
+    let mut v = serde_json::to_value(&summary)?;
+    v["sessions"] = dir.display().to_string().into();
+    if a.json {
+        println!("{v}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    }
+    Ok(())
+}
+
+pub fn export(a: ExportArgs) -> Result<()> {
+    if a.format != "openai" {
+        bail!("--format `{}`: only `openai` is supported", a.format);
+    }
+    let opts = envace::session::export::ExportOptions {
+        include_simulator: a.include_simulator,
+        ..Default::default()
+    };
+    let n = match &a.out {
+        Some(p) => {
+            let mut f = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
+            envace::session::export_openai(&a.file, &mut f, &opts)?
+        }
+        None => envace::session::export_openai(&a.file, &mut std::io::stdout(), &opts)?,
+    };
+    eprintln!("{n} records");
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! Runs whole episodes for the CLI, the TUI and evaluation: builds the engine configuration from
+//! user options and the model's prompt profile, picks the environment access the mode allows
+//! (a live environment, or a verifier used only after a rehearsed episode), writes the session.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::engine::driver::{
+    ApprovalHook, ApprovalPolicy, Driver, DriverError, DriverEvent, EnvAccess, SharedModel,
+};
+use crate::engine::eval::EvalSummary;
+use crate::engine::fsm::{Engine, EngineError, EpisodeOutcome};
+use crate::engine::profile::PromptProfile;
+use crate::engine::spec::task_spec;
+use crate::engine::types::{
+    EngineConfig, EpisodeSpec, LiveOptions, Mode, PrivateRehearsal, RehearsalStrategy,
+    RehearsalTrigger,
+};
+use crate::env::domain_env::DomainEnv;
+use crate::env::domains::Domain;
+use crate::env::tasks::{Split, Task, list_tasks};
+use crate::env::{EnvError, Environment};
+use crate::runtime::CancelToken;
+use crate::session::schema::{ModelRef, SessionHeader};
+use crate::session::{EventSink, SessionError, SessionWriter};
+
+/// How the world answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum ModeChoice {
+    Real,
+    Rehearse,
+    Shadow,
+}
+
+/// Options shared by `envace run`, `envace eval`, the TUI's Run tab and rollouts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunOptions {
+    pub mode: ModeChoice,
+    /// Private Rehearsal branches (0 = off). Needs a real environment (real or shadow mode).
+    pub rehearsals: usize,
+    pub rehearsal_mode: RehearsalStrategy,
+    pub rehearse_on: RehearsalTrigger,
+    pub approve: ApprovalPolicy,
+    pub seed: u64,
+    pub max_turns: u32,
+    /// Actor sampling temperature (0 = greedy).
+    pub temperature: f64,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            mode: ModeChoice::Real,
+            rehearsals: 0,
+            rehearsal_mode: RehearsalStrategy::Parallel,
+            rehearse_on: RehearsalTrigger::Irreversible,
+            approve: ApprovalPolicy::Always,
+            seed: 0,
+            max_turns: 8,
+            temperature: 0.0,
+        }
+    }
+}
+
+/// Failures of a run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("private rehearsal needs a real environment: use --mode real or --mode shadow")]
+    RehearsalWithoutEnvironment,
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// The engine configuration for `opts` and a model's profile.
+pub fn engine_config(opts: &RunOptions, profile: Option<&PromptProfile>) -> Result<EngineConfig, RunError> {
+    let live = || LiveOptions {
+        private_rehearsal: (opts.rehearsals > 0).then(|| PrivateRehearsal {
+            branches: opts.rehearsals,
+            strategy: opts.rehearsal_mode,
+            trigger: opts.rehearse_on,
+            ..PrivateRehearsal::default()
+        }),
+        ..LiveOptions::default()
+    };
+    let mode = match opts.mode {
+        ModeChoice::Real => Mode::Real(live()),
+        ModeChoice::Shadow => Mode::Shadow(live()),
+        ModeChoice::Rehearse => {
+            if opts.rehearsals > 0 {
+                return Err(RunError::RehearsalWithoutEnvironment);
+            }
+            Mode::Rehearse
+        }
+    };
+    let mut cfg = EngineConfig {
+        mode,
+        max_turns: opts.max_turns,
+        ..EngineConfig::default()
+    };
+    cfg.actor_sampling.temperature = opts.temperature;
+    if let Some(p) = profile {
+        cfg.sim_prompt = p.sim_prompt.clone();
+        cfg.actor_thinking = p.actor_thinking;
+    }
+    Ok(cfg.with_seed(opts.seed))
+}
+
+/// Run one episode of `spec` on `env` (live for real/shadow; a verifier for rehearse).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_episode(
+    model: &SharedModel,
+    spec: EpisodeSpec,
+    cfg: EngineConfig,
+    env: &mut dyn Environment,
+    task_id: Option<String>,
+    approver: &mut dyn ApprovalHook,
+    sink: &mut dyn EventSink,
+    ui: Option<UnboundedSender<DriverEvent>>,
+    cancel: CancelToken,
+) -> Result<EpisodeOutcome, RunError> {
+    let rehearse = matches!(cfg.mode, Mode::Rehearse);
+    let mut engine = Engine::new(spec, cfg)?;
+    let access = if rehearse {
+        EnvAccess::VerifyAfter { verifier: env, task_id }
+    } else {
+        env.reset(task_id.as_deref()).await?;
+        EnvAccess::Live(env)
+    };
+    let mut driver = Driver {
+        model: model.clone(),
+        env: access,
+        approver,
+        sink,
+        ui,
+        cancel,
+    };
+    Ok(driver.run(&mut engine).await?)
+}
+
+/// The session header of a run.
+pub fn header(model: &SharedModel, env: &str, task_id: Option<String>, cfg: &EngineConfig, seed: u64) -> SessionHeader {
+    let info = match model.lock() {
+        Ok(m) => Some(m.info()),
+        Err(_) => None,
+    };
+    let mref = info.as_ref().map(ModelRef::from).unwrap_or_else(|| ModelRef {
+        path: String::new(),
+        hash: String::new(),
+    });
+    SessionHeader::new(mref, None, env, task_id, seed, cfg)
+}
+
+/// Run a built-in domain task, writing its session to `out`.
+pub async fn run_domain_task(
+    model: &SharedModel,
+    task: &Task,
+    opts: &RunOptions,
+    profile: Option<&PromptProfile>,
+    out: &Path,
+    approver: &mut dyn ApprovalHook,
+    ui: Option<UnboundedSender<DriverEvent>>,
+    cancel: CancelToken,
+) -> Result<EpisodeOutcome, RunError> {
+    let domain = task.domain()?;
+    let cfg = engine_config(opts, profile)?;
+    let spec = task_spec(task, false)?;
+    let mut env = DomainEnv::with_tasks(domain, vec![task.clone()]);
+    let mut writer = SessionWriter::create(out, &header(model, domain.name(), Some(task.id.clone()), &cfg, opts.seed))?;
+    run_episode(model, spec, cfg, &mut env, Some(task.id.clone()), approver, &mut writer, ui, cancel).await
+}
+
+/// Evaluate a model on a domain split; one session per task under `sessions_dir`.
+#[allow(clippy::too_many_arguments)]
+pub async fn eval_domain(
+    model: &SharedModel,
+    domain: Domain,
+    split: Split,
+    limit: Option<usize>,
+    opts: &RunOptions,
+    profile: Option<&PromptProfile>,
+    sessions_dir: &Path,
+    mut progress: impl FnMut(usize, usize, &EpisodeOutcome),
+    cancel: CancelToken,
+) -> Result<(EvalSummary, Vec<(String, EpisodeOutcome)>), RunError> {
+    let tasks = list_tasks(domain, Some(split));
+    let n = limit.unwrap_or(tasks.len()).min(tasks.len());
+    let t0 = Instant::now();
+    let mut outcomes = Vec::with_capacity(n);
+    std::fs::create_dir_all(sessions_dir).map_err(|e| SessionError::Io {
+        path: sessions_dir.display().to_string(),
+        source: e,
+    })?;
+    for (i, task) in tasks.iter().take(n).enumerate() {
+        if cancel.is_cancelled() {
+            break;
+        }
+        let path: PathBuf = sessions_dir.join(format!("{}.jsonl", task.id));
+        let mut approver = crate::engine::driver::PolicyApprover(opts.approve);
+        let o = run_domain_task(model, task, opts, profile, &path, &mut approver, None, cancel.clone()).await?;
+        progress(i + 1, n, &o);
+        outcomes.push((task.id.clone(), o));
+    }
+    let only: Vec<EpisodeOutcome> = outcomes.iter().map(|(_, o)| o.clone()).collect();
+    Ok((EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()), outcomes))
+}
