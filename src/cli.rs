@@ -42,9 +42,7 @@ pub enum Command {
     /// Run one episode: a built-in task or an MCP task.
     Run(RunArgs),
     /// Print a session step by step.
-    Replay {
-        file: PathBuf,
-    },
+    Replay { file: PathBuf },
     /// Export a session (OpenAI chat JSONL).
     Export(ExportArgs),
 }

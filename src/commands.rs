@@ -5,14 +5,16 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cli::{ApproveArg, EvalArgs, ExportArgs, ModeArgs, RehearsalModeArg, RehearseOnArg, RunArgs};
+use crate::cli::{
+    ApproveArg, EvalArgs, ExportArgs, ModeArgs, RehearsalModeArg, RehearseOnArg, RunArgs,
+};
+use envace::engine::EpisodeOutcome;
 use envace::engine::driver::{ApprovalPolicy, PolicyApprover, SharedModel, share_model};
 use envace::engine::profile::PromptProfile;
 use envace::engine::runner::{
-    ModeChoice, RunOptions, engine_config, eval_domain, header, run_domain_task, run_episode,
+    EpisodeEnv, RunOptions, engine_config, eval_domain, header, run_domain_task, run_episode,
 };
 use envace::engine::types::{EpisodeSpec, RehearsalStrategy, RehearsalTrigger};
-use envace::engine::EpisodeOutcome;
 use envace::env::Environment;
 use envace::env::domains::Domain;
 use envace::env::mcp_client::{McpEnv, load_mcp_task_file};
@@ -45,7 +47,8 @@ pub fn run_options(m: &ModeArgs) -> RunOptions {
 
 /// Load a model and its prompt profile.
 pub fn load_model(path: &Path, m: &ModeArgs) -> Result<(SharedModel, Option<PromptProfile>)> {
-    let model = LocalModel::load(path, m.device).with_context(|| format!("loading model {}", path.display()))?;
+    let model = LocalModel::load(path, m.device)
+        .with_context(|| format!("loading model {}", path.display()))?;
     let profile = PromptProfile::read(path)?;
     Ok((share_model(Box::new(model)), profile))
 }
@@ -66,32 +69,57 @@ pub async fn run(a: RunArgs) -> Result<()> {
     let cancel = CancelToken::new();
     let mut approver = PolicyApprover(opts.approve);
     let (outcome, path) = if let Some(env) = &a.env {
-        let id = a.task.as_deref().context("--env needs --task ID (see `envace tasks DOMAIN`)")?;
-        let task = find_builtin(id).with_context(|| format!("unknown task `{id}` (see `envace tasks {env}`)"))?;
+        let id = a
+            .task
+            .as_deref()
+            .context("--env needs --task ID (see `envace tasks DOMAIN`)")?;
+        let task = find_builtin(id)
+            .with_context(|| format!("unknown task `{id}` (see `envace tasks {env}`)"))?;
         if task.domain != *env {
-            bail!("task `{id}` belongs to domain `{}`, not `{env}`", task.domain);
-        }
-        let path = resolve_session_path(a.out.clone(), env, Some(id), opts.seed)?;
-        let o = run_domain_task(&model, task, &opts, profile.as_ref(), &path, &mut approver, None, cancel).await?;
-        (o, path)
-    } else if let Some(cfg) = a.mcp.config()? {
-        if opts.mode == ModeChoice::Rehearse {
             bail!(
-                "--mode rehearse is not available with an MCP server: scoring it would replay the calls on the real server"
+                "task `{id}` belongs to domain `{}`, not `{env}`",
+                task.domain
             );
         }
-        let file = a.task_file.as_ref().context("--mcp needs --task-file FILE")?;
+        let path = resolve_session_path(a.out.clone(), env, Some(id), opts.seed)?;
+        let o = run_domain_task(
+            &model,
+            task,
+            &opts,
+            profile.as_ref(),
+            &path,
+            &mut approver,
+            None,
+            cancel,
+        )
+        .await?;
+        (o, path)
+    } else if let Some(cfg) = a.mcp.config()? {
+        let file = a
+            .task_file
+            .as_ref()
+            .context("--mcp needs --task-file FILE")?;
         let tf = load_mcp_task_file(file)?;
         let task = match &a.task {
-            Some(id) => tf.tasks.iter().find(|t| t.id == *id).with_context(|| format!("{}: no task `{id}`", file.display()))?,
-            None => tf.tasks.first().with_context(|| format!("{}: no tasks", file.display()))?,
+            Some(id) => tf
+                .tasks
+                .iter()
+                .find(|t| t.id == *id)
+                .with_context(|| format!("{}: no task `{id}`", file.display()))?,
+            None => tf
+                .tasks
+                .first()
+                .with_context(|| format!("{}: no tasks", file.display()))?,
         }
         .clone();
         let mut env = McpEnv::connect(cfg).await?.with_tasks(tf.tasks.clone());
         let tools = env.tools().await?;
         let spec = EpisodeSpec {
             task_id: Some(task.id.clone()),
-            system: format!("You are an assistant with the tools of `{}`. Use them, then answer the user.", env.name()),
+            system: format!(
+                "You are an assistant with the tools of `{}`. Use them, then answer the user.",
+                env.name()
+            ),
             user_turns: task.turns.clone(),
             tools,
             examples: Vec::new(),
@@ -99,8 +127,23 @@ pub async fn run(a: RunArgs) -> Result<()> {
         let cfg = engine_config(&opts, profile.as_ref())?;
         let name = env.name();
         let path = resolve_session_path(a.out.clone(), &name, Some(&task.id), opts.seed)?;
-        let mut writer = SessionWriter::create(&path, &header(&model, &name, Some(task.id.clone()), &cfg, opts.seed))?;
-        let o = run_episode(&model, spec, cfg, &mut env, Some(task.id.clone()), &mut approver, &mut writer, None, cancel).await?;
+        let mut writer = SessionWriter::create(
+            &path,
+            &header(&model, &name, Some(task.id.clone()), &cfg, opts.seed),
+        )?;
+        // Rehearse mode never touches the server: the episode is unscored.
+        let o = run_episode(
+            &model,
+            spec,
+            cfg,
+            EpisodeEnv::External(&mut env),
+            Some(task.id.clone()),
+            &mut approver,
+            &mut writer,
+            None,
+            cancel,
+        )
+        .await?;
         let _ = env.close().await;
         (o, path)
     } else {
@@ -129,7 +172,12 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         Some(d) => d.clone(),
         None => default_sessions_dir()
             .context("no user data directory; pass --sessions DIR")?
-            .join(format!("eval-{env}-{}-s{}-{}", a.split, opts.seed, chrono::Utc::now().format("%Y%m%dT%H%M%S"))),
+            .join(format!(
+                "eval-{env}-{}-s{}-{}",
+                a.split,
+                opts.seed,
+                chrono::Utc::now().format("%Y%m%dT%H%M%S")
+            )),
     };
     let quiet = a.json;
     let (summary, _) = eval_domain(
@@ -168,7 +216,8 @@ pub fn export(a: ExportArgs) -> Result<()> {
     };
     let n = match &a.out {
         Some(p) => {
-            let mut f = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
+            let mut f =
+                std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
             envace::session::export_openai(&a.file, &mut f, &opts)?
         }
         None => envace::session::export_openai(&a.file, &mut std::io::stdout(), &opts)?,

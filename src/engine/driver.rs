@@ -42,6 +42,9 @@ pub enum EnvAccess<'a> {
         verifier: &'a mut dyn Environment,
         task_id: Option<String>,
     },
+    /// Rehearse mode with nothing to verify on (an MCP server has no fresh copy; replaying
+    /// there would execute the calls): the episode ends without a score.
+    Unscored,
 }
 
 /// Answers approval requests for irreversible real calls (the TUI implements it too).
@@ -177,7 +180,7 @@ impl Driver<'_> {
                             message: format!("environment: {e}"),
                         },
                     },
-                    EnvAccess::VerifyAfter { .. } => {
+                    EnvAccess::VerifyAfter { .. } | EnvAccess::Unscored => {
                         return Err(DriverError::RealCallWithoutEnvironment);
                     }
                 },
@@ -204,16 +207,18 @@ impl Driver<'_> {
 
     fn check_mode(&self, mode: &Mode) -> Result<(), DriverError> {
         match (mode, &self.env) {
-            (Mode::Rehearse, EnvAccess::VerifyAfter { .. }) => Ok(()),
+            (Mode::Rehearse, EnvAccess::VerifyAfter { .. } | EnvAccess::Unscored) => Ok(()),
             (Mode::Real(_) | Mode::Shadow(_), EnvAccess::Live(_)) => Ok(()),
             (Mode::Rehearse, EnvAccess::Live(_)) => Err(DriverError::ModeMismatch {
                 mode: mode.name().into(),
                 needs: "a verifier environment (EnvAccess::VerifyAfter), never the live one",
             }),
-            (_, EnvAccess::VerifyAfter { .. }) => Err(DriverError::ModeMismatch {
-                mode: mode.name().into(),
-                needs: "the live environment (EnvAccess::Live)",
-            }),
+            (_, EnvAccess::VerifyAfter { .. } | EnvAccess::Unscored) => {
+                Err(DriverError::ModeMismatch {
+                    mode: mode.name().into(),
+                    needs: "the live environment (EnvAccess::Live)",
+                })
+            }
         }
     }
 
@@ -263,6 +268,9 @@ impl Driver<'_> {
                     .score(trace)
                     .await
                     .map_err(|e| format!("verifier scoring: {e}"))
+            }
+            (EnvAccess::Unscored, _) => {
+                Err("not scored: rehearse mode without a verifier environment".into())
             }
             (_, by) => Err(format!(
                 "internal: cannot score by {by:?} with this environment access"

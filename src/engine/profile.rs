@@ -53,6 +53,8 @@ impl PromptProfile {
             message: m,
         };
         let text = std::fs::read_to_string(&p).map_err(|e| err(e.to_string()))?;
-        serde_json::from_str(&text).map(Some).map_err(|e| err(e.to_string()))
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| err(e.to_string()))
     }
 }

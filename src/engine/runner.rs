@@ -82,7 +82,10 @@ pub enum RunError {
 }
 
 /// The engine configuration for `opts` and a model's profile.
-pub fn engine_config(opts: &RunOptions, profile: Option<&PromptProfile>) -> Result<EngineConfig, RunError> {
+pub fn engine_config(
+    opts: &RunOptions,
+    profile: Option<&PromptProfile>,
+) -> Result<EngineConfig, RunError> {
     let live = || LiveOptions {
         private_rehearsal: (opts.rehearsals > 0).then(|| PrivateRehearsal {
             branches: opts.rehearsals,
@@ -115,13 +118,22 @@ pub fn engine_config(opts: &RunOptions, profile: Option<&PromptProfile>) -> Resu
     Ok(cfg.with_seed(opts.seed))
 }
 
-/// Run one episode of `spec` on `env` (live for real/shadow; a verifier for rehearse).
+/// What the episode may touch besides the model.
+pub enum EpisodeEnv<'a> {
+    /// Real/shadow: live; rehearse: used only as the post-episode verifier (a fresh copy).
+    Domain(&'a mut dyn Environment),
+    /// A server with real side effects: live in real/shadow mode; never touched in rehearse
+    /// mode (the episode is then unscored).
+    External(&'a mut dyn Environment),
+}
+
+/// Run one episode of `spec`.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_episode(
     model: &SharedModel,
     spec: EpisodeSpec,
     cfg: EngineConfig,
-    env: &mut dyn Environment,
+    env: EpisodeEnv<'_>,
     task_id: Option<String>,
     approver: &mut dyn ApprovalHook,
     sink: &mut dyn EventSink,
@@ -130,11 +142,16 @@ pub async fn run_episode(
 ) -> Result<EpisodeOutcome, RunError> {
     let rehearse = matches!(cfg.mode, Mode::Rehearse);
     let mut engine = Engine::new(spec, cfg)?;
-    let access = if rehearse {
-        EnvAccess::VerifyAfter { verifier: env, task_id }
-    } else {
-        env.reset(task_id.as_deref()).await?;
-        EnvAccess::Live(env)
+    let access = match (rehearse, env) {
+        (true, EpisodeEnv::Domain(env)) => EnvAccess::VerifyAfter {
+            verifier: env,
+            task_id,
+        },
+        (true, EpisodeEnv::External(_)) => EnvAccess::Unscored,
+        (false, EpisodeEnv::Domain(env) | EpisodeEnv::External(env)) => {
+            env.reset(task_id.as_deref()).await?;
+            EnvAccess::Live(env)
+        }
     };
     let mut driver = Driver {
         model: model.clone(),
@@ -148,15 +165,24 @@ pub async fn run_episode(
 }
 
 /// The session header of a run.
-pub fn header(model: &SharedModel, env: &str, task_id: Option<String>, cfg: &EngineConfig, seed: u64) -> SessionHeader {
+pub fn header(
+    model: &SharedModel,
+    env: &str,
+    task_id: Option<String>,
+    cfg: &EngineConfig,
+    seed: u64,
+) -> SessionHeader {
     let info = match model.lock() {
         Ok(m) => Some(m.info()),
         Err(_) => None,
     };
-    let mref = info.as_ref().map(ModelRef::from).unwrap_or_else(|| ModelRef {
-        path: String::new(),
-        hash: String::new(),
-    });
+    let mref = info
+        .as_ref()
+        .map(ModelRef::from)
+        .unwrap_or_else(|| ModelRef {
+            path: String::new(),
+            hash: String::new(),
+        });
     SessionHeader::new(mref, None, env, task_id, seed, cfg)
 }
 
@@ -175,8 +201,22 @@ pub async fn run_domain_task(
     let cfg = engine_config(opts, profile)?;
     let spec = task_spec(task, false)?;
     let mut env = DomainEnv::with_tasks(domain, vec![task.clone()]);
-    let mut writer = SessionWriter::create(out, &header(model, domain.name(), Some(task.id.clone()), &cfg, opts.seed))?;
-    run_episode(model, spec, cfg, &mut env, Some(task.id.clone()), approver, &mut writer, ui, cancel).await
+    let mut writer = SessionWriter::create(
+        out,
+        &header(model, domain.name(), Some(task.id.clone()), &cfg, opts.seed),
+    )?;
+    run_episode(
+        model,
+        spec,
+        cfg,
+        EpisodeEnv::Domain(&mut env),
+        Some(task.id.clone()),
+        approver,
+        &mut writer,
+        ui,
+        cancel,
+    )
+    .await
 }
 
 /// Evaluate a model on a domain split; one session per task under `sessions_dir`.
@@ -206,10 +246,23 @@ pub async fn eval_domain(
         }
         let path: PathBuf = sessions_dir.join(format!("{}.jsonl", task.id));
         let mut approver = crate::engine::driver::PolicyApprover(opts.approve);
-        let o = run_domain_task(model, task, opts, profile, &path, &mut approver, None, cancel.clone()).await?;
+        let o = run_domain_task(
+            model,
+            task,
+            opts,
+            profile,
+            &path,
+            &mut approver,
+            None,
+            cancel.clone(),
+        )
+        .await?;
         progress(i + 1, n, &o);
         outcomes.push((task.id.clone(), o));
     }
     let only: Vec<EpisodeOutcome> = outcomes.iter().map(|(_, o)| o.clone()).collect();
-    Ok((EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()), outcomes))
+    Ok((
+        EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()),
+        outcomes,
+    ))
 }
