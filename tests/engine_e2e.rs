@@ -1,0 +1,134 @@
+//! End to end on the bundled model (`models/envace-tiny`, committed): a run in each mode,
+//! Private Rehearsal with N=4 parallel and sequential, sessions that read back and whose branch
+//! tree rebuilds; deterministic sessions; `eval` killed with SIGKILL at random moments loses at
+//! most the event being written.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use envace::session::{SessionTree, read_session, strip_timestamps};
+use rand::{Rng, SeedableRng};
+use serde_json::Value;
+
+fn model() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+    assert!(p.join("model.safetensors").is_file(), "the bundled model {} is missing", p.display());
+    p
+}
+
+fn envace(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_envace")).args(args).output().unwrap();
+    assert!(out.status.success(), "envace {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn run(task: &str, extra: &[&str], out: &Path) -> Value {
+    let m = model();
+    let mut args = vec!["run", "--model", m.to_str().unwrap(), "--env", "bank", "--task", task, "--out", out.to_str().unwrap(), "--json"];
+    args.extend_from_slice(extra);
+    envace(&args)
+}
+
+#[test]
+fn every_mode_produces_a_valid_session() {
+    let dir = tempfile::tempdir().unwrap();
+    for mode in ["real", "rehearse", "shadow"] {
+        let p = dir.path().join(format!("{mode}.jsonl"));
+        let v = run("bank-test-0001", &["--mode", mode], &p);
+        let s = read_session(&p).unwrap();
+        assert!(s.warnings.is_empty(), "{mode}: {:?}", s.warnings);
+        assert_eq!(s.header.mode, mode);
+        let kinds: Vec<&str> = s.events.iter().map(|e| e.event.kind()).collect();
+        assert!(kinds.contains(&"generation") && kinds.contains(&"episode_end"), "{mode}: {kinds:?}");
+        if mode == "rehearse" {
+            assert!(!kinds.contains(&"real"), "rehearse mode recorded a real call");
+        }
+        if mode == "shadow" && kinds.contains(&"real") {
+            assert!(kinds.contains(&"simulated") && kinds.contains(&"fidelity"), "{kinds:?}");
+        }
+        assert!(v["reward"].is_number());
+    }
+}
+
+#[test]
+fn private_rehearsal_parallel_and_sequential_build_a_branch_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    // A transfer task: its write is irreversible, so rehearsal triggers before it.
+    for strategy in ["parallel", "sequential"] {
+        let p = dir.path().join(format!("{strategy}.jsonl"));
+        run("bank-test-0002", &["--mode", "real", "--rehearsals", "4", "--rehearsal-mode", strategy, "--rehearse-on", "every"], &p);
+        let s = read_session(&p).unwrap();
+        let tree = SessionTree::build(&s.events);
+        let branches = tree.branches();
+        assert!(branches.len() >= 4, "{strategy}: {} branches", branches.len());
+        let kinds: Vec<&str> = s.events.iter().map(|e| e.event.kind()).collect();
+        assert!(kinds.contains(&"rehearsal_start") && kinds.contains(&"rehearsal_memory"), "{strategy}: {kinds:?}");
+        assert!(!tree.main_line().is_empty());
+    }
+}
+
+#[test]
+fn same_seed_same_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.jsonl");
+    let b = dir.path().join("b.jsonl");
+    run("bank-test-0003", &["--mode", "shadow", "--seed", "7", "--temperature", "0.8"], &a);
+    run("bank-test-0003", &["--mode", "shadow", "--seed", "7", "--temperature", "0.8"], &b);
+    let ta = strip_timestamps(&std::fs::read_to_string(&a).unwrap());
+    let tb = strip_timestamps(&std::fs::read_to_string(&b).unwrap());
+    assert_eq!(ta, tb);
+}
+
+#[test]
+fn sigkill_during_eval_loses_at_most_the_event_being_written() {
+    let m = model();
+    let dir = tempfile::tempdir().unwrap();
+    let eval = |sessions: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_envace"))
+            .args(["eval", "--model", m.to_str().unwrap(), "--env", "bank", "--limit", "4", "--mode", "shadow", "--json", "--sessions"])
+            .arg(sessions)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    // The reference: the same evaluation, uninterrupted.
+    let full = dir.path().join("full");
+    assert!(eval(&full).wait().unwrap().success());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0xE7AC);
+    let mut checked_lines = 0;
+    for k in 0..20 {
+        let d = dir.path().join(format!("kill{k}"));
+        let mut child = eval(&d);
+        std::thread::sleep(Duration::from_millis(rng.random_range(100..2500)));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries {
+            let p = e.unwrap().path();
+            let text = std::fs::read_to_string(&p).unwrap();
+            if text.is_empty() {
+                continue; // killed between creating the file and writing its header
+            }
+            let reference = strip_timestamps(&std::fs::read_to_string(full.join(p.file_name().unwrap())).unwrap());
+            let reference: Vec<&str> = reference.lines().collect();
+            let complete = text.ends_with('\n');
+            let lines: Vec<&str> = text.lines().collect();
+            let whole = if complete { lines.len() } else { lines.len() - 1 };
+            let stripped = strip_timestamps(&lines[..whole].join("\n"));
+            for (i, line) in stripped.lines().enumerate() {
+                assert_eq!(line, reference[i], "{}: line {} differs from the uninterrupted run", p.display(), i + 1);
+                checked_lines += 1;
+            }
+            if whole >= 1 {
+                // It reads back (a torn last line is a warning, not an error).
+                let s = read_session(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                assert_eq!(s.events.len(), whole - 1);
+            }
+        }
+    }
+    assert!(checked_lines > 0);
+}
