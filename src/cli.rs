@@ -30,6 +30,8 @@ pub enum Command {
     Demo(DemoArgs),
     /// Train the bundled model from scratch on the built-in domains (tokenizer + SFT).
     Pretrain(PretrainArgs),
+    /// Role-wise GRPO (EnvACE world rehearsal) on a domain's train split.
+    Train(TrainArgs),
     /// Task environments: built-in domains and MCP servers.
     Env {
         #[command(subcommand)]
@@ -249,6 +251,50 @@ pub struct PretrainArgs {
     /// Print corpus statistics and samples, train nothing.
     #[arg(long)]
     pub dry_run: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub model: PathBuf,
+    /// Domains to train on (comma-separated).
+    #[arg(long, default_value = "bank")]
+    pub env: String,
+    #[arg(long, default_value = "grpo")]
+    pub algo: String,
+    /// rehearse = EnvACE (the simulator answers; a verifier scores afterwards); real = the
+    /// actor-only baseline against the real environment.
+    #[arg(long, value_enum, default_value = "rehearse")]
+    pub mode: ModeChoice,
+    #[arg(long, default_value_t = 4)]
+    pub group: usize,
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Tasks per step.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub kl: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub entropy: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: usize,
+    /// Wall-clock budget in minutes.
+    #[arg(long)]
+    pub minutes: Option<f64>,
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Continue from a checkpoint directory written by this command.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 
 use crate::cli::{
-    ApproveArg, EvalArgs, ExportArgs, ModeArgs, RehearsalModeArg, RehearseOnArg, RunArgs,
+    ApproveArg, EvalArgs, ExportArgs, ModeArgs, RehearsalModeArg, RehearseOnArg, RunArgs, TrainArgs,
 };
 use envace::engine::EpisodeOutcome;
 use envace::engine::driver::{ApprovalPolicy, PolicyApprover, SharedModel, share_model};
@@ -223,5 +223,60 @@ pub fn export(a: ExportArgs) -> Result<()> {
         None => envace::session::export_openai(&a.file, &mut std::io::stdout(), &opts)?,
     };
     eprintln!("{n} records");
+    Ok(())
+}
+
+pub fn train(a: TrainArgs) -> Result<()> {
+    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    use envace::train::metrics::JsonlSink;
+    use envace::train::model::TrainableModel;
+    if a.algo != "grpo" {
+        bail!("--algo `{}`: only `grpo` is available", a.algo);
+    }
+    let device = candle_core::Device::Cpu;
+    let (model, resume, model_dir) = match &a.resume {
+        Some(dir) => {
+            let loaded = envace::train::checkpoint::load_for_resume(dir, &device)?;
+            (
+                TrainableModel::load(dir, &device)?,
+                Some(loaded),
+                dir.clone(),
+            )
+        }
+        None => (
+            TrainableModel::load(&a.model, &device)?,
+            None,
+            a.model.clone(),
+        ),
+    };
+    let cfg = GrpoConfig {
+        domains: a.env.split(',').map(str::to_string).collect(),
+        mode: a.mode,
+        steps: a.steps,
+        batch: a.batch,
+        group: a.group,
+        lr: a.lr,
+        temperature: a.temperature,
+        kl_coef: a.kl,
+        entropy_coef: a.entropy,
+        seed: a.seed,
+        checkpoint_every: a.checkpoint_every,
+        time_budget_s: a.minutes.map(|m| m * 60.0),
+        ..GrpoConfig::default()
+    };
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut sink = JsonlSink::create(&a.out.join("metrics.jsonl"), a.json)?;
+    let report = run_grpo(
+        &cfg,
+        GrpoRun {
+            model: &model,
+            model_dir: &model_dir,
+            out: Some(&a.out),
+            resume: resume.as_ref(),
+            sink: &mut sink,
+            cancel: &CancelToken::new(),
+        },
+    )?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

@@ -21,6 +21,7 @@ fn main() -> Result<()> {
         Some(Command::Demo(a)) => demo(a.model),
         Some(Command::Generate(a)) => generate(a),
         Some(Command::Pretrain(a)) => pretrain(a),
+        Some(Command::Train(a)) => commands::train(a),
         Some(Command::Env { command }) => tokio_runtime()?.block_on(env_cli::run_env(command)),
         Some(Command::Tasks(args)) => env_cli::run_tasks(args),
         Some(Command::Eval(EvalArgs {
@@ -152,27 +153,46 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// The headless demo (`cargo run --release` until the TUI lands): the bundled model plays a
+/// held-out bank task in shadow mode (the simulator predicts every call, the real environment
+/// answers) with Private Rehearsal before the irreversible call, and the session is replayed.
 fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
     let path = model.unwrap_or_else(|| std::path::PathBuf::from("models/envace-tiny"));
     anyhow::ensure!(
-        path.exists(),
+        path.join("model.safetensors").is_file(),
         "the bundled model {} is missing (run from the repository root)",
         path.display()
     );
-    let a = GenerateArgs {
+    let out = std::env::temp_dir().join(format!("envace-demo-{}.jsonl", std::process::id()));
+    let args = cli::RunArgs {
         model: path,
-        prompt: "Move 40 from checking to savings.".into(),
-        system: None,
-        max_tokens: 96,
-        seed: 0,
-        temperature: 0.0,
-        top_p: None,
-        top_k: None,
-        branches: 1,
-        device: Default::default(),
-        stop: Vec::new(),
-        raw: false,
+        env: Some("bank".into()),
+        task: Some("bank-test-0002".into()),
+        mcp: envace::env::cli::McpArgs {
+            mcp: None,
+            mcp_url: None,
+            mcp_env: Vec::new(),
+            mcp_cwd: None,
+            timeout: 30.0,
+        },
+        task_file: None,
+        mode: cli::ModeArgs {
+            mode: envace::engine::runner::ModeChoice::Shadow,
+            rehearsals: 2,
+            rehearsal_mode: cli::RehearsalModeArg::Parallel,
+            rehearse_on: cli::RehearseOnArg::Irreversible,
+            approve: cli::ApproveArg::Always,
+            seed: 0,
+            max_turns: 8,
+            temperature: 0.0,
+            device: Default::default(),
+        },
+        out: Some(out),
         json: false,
     };
-    generate(a)
+    println!(
+        "envace demo: the bundled model on a held-out bank task, shadow mode, Private Rehearsal N=2"
+    );
+    println!("(the TUI is not built yet; see README.md for the commands)\n");
+    tokio_runtime()?.block_on(commands::run(args))
 }

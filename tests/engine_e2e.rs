@@ -15,19 +15,42 @@ use serde_json::Value;
 
 fn model() -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
-    assert!(p.join("model.safetensors").is_file(), "the bundled model {} is missing", p.display());
+    assert!(
+        p.join("model.safetensors").is_file(),
+        "the bundled model {} is missing",
+        p.display()
+    );
     p
 }
 
 fn envace(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_envace")).args(args).output().unwrap();
-    assert!(out.status.success(), "envace {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+    let out = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "envace {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 fn run(task: &str, extra: &[&str], out: &Path) -> Value {
     let m = model();
-    let mut args = vec!["run", "--model", m.to_str().unwrap(), "--env", "bank", "--task", task, "--out", out.to_str().unwrap(), "--json"];
+    let mut args = vec![
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--env",
+        "bank",
+        "--task",
+        task,
+        "--out",
+        out.to_str().unwrap(),
+        "--json",
+    ];
     args.extend_from_slice(extra);
     envace(&args)
 }
@@ -42,12 +65,21 @@ fn every_mode_produces_a_valid_session() {
         assert!(s.warnings.is_empty(), "{mode}: {:?}", s.warnings);
         assert_eq!(s.header.mode, mode);
         let kinds: Vec<&str> = s.events.iter().map(|e| e.event.kind()).collect();
-        assert!(kinds.contains(&"generation") && kinds.contains(&"episode_end"), "{mode}: {kinds:?}");
+        assert!(
+            kinds.contains(&"generation") && kinds.contains(&"episode_end"),
+            "{mode}: {kinds:?}"
+        );
         if mode == "rehearse" {
-            assert!(!kinds.contains(&"real"), "rehearse mode recorded a real call");
+            assert!(
+                !kinds.contains(&"real"),
+                "rehearse mode recorded a real call"
+            );
         }
         if mode == "shadow" && kinds.contains(&"real") {
-            assert!(kinds.contains(&"simulated") && kinds.contains(&"fidelity"), "{kinds:?}");
+            assert!(
+                kinds.contains(&"simulated") && kinds.contains(&"fidelity"),
+                "{kinds:?}"
+            );
         }
         assert!(v["reward"].is_number());
     }
@@ -59,13 +91,33 @@ fn private_rehearsal_parallel_and_sequential_build_a_branch_tree() {
     // A transfer task: its write is irreversible, so rehearsal triggers before it.
     for strategy in ["parallel", "sequential"] {
         let p = dir.path().join(format!("{strategy}.jsonl"));
-        run("bank-test-0002", &["--mode", "real", "--rehearsals", "4", "--rehearsal-mode", strategy, "--rehearse-on", "every"], &p);
+        run(
+            "bank-test-0002",
+            &[
+                "--mode",
+                "real",
+                "--rehearsals",
+                "4",
+                "--rehearsal-mode",
+                strategy,
+                "--rehearse-on",
+                "every",
+            ],
+            &p,
+        );
         let s = read_session(&p).unwrap();
         let tree = SessionTree::build(&s.events);
         let branches = tree.branches();
-        assert!(branches.len() >= 4, "{strategy}: {} branches", branches.len());
+        assert!(
+            branches.len() >= 4,
+            "{strategy}: {} branches",
+            branches.len()
+        );
         let kinds: Vec<&str> = s.events.iter().map(|e| e.event.kind()).collect();
-        assert!(kinds.contains(&"rehearsal_start") && kinds.contains(&"rehearsal_memory"), "{strategy}: {kinds:?}");
+        assert!(
+            kinds.contains(&"rehearsal_start") && kinds.contains(&"rehearsal_memory"),
+            "{strategy}: {kinds:?}"
+        );
         assert!(!tree.main_line().is_empty());
     }
 }
@@ -75,8 +127,16 @@ fn same_seed_same_session() {
     let dir = tempfile::tempdir().unwrap();
     let a = dir.path().join("a.jsonl");
     let b = dir.path().join("b.jsonl");
-    run("bank-test-0003", &["--mode", "shadow", "--seed", "7", "--temperature", "0.8"], &a);
-    run("bank-test-0003", &["--mode", "shadow", "--seed", "7", "--temperature", "0.8"], &b);
+    run(
+        "bank-test-0003",
+        &["--mode", "shadow", "--seed", "7", "--temperature", "0.8"],
+        &a,
+    );
+    run(
+        "bank-test-0003",
+        &["--mode", "shadow", "--seed", "7", "--temperature", "0.8"],
+        &b,
+    );
     let ta = strip_timestamps(&std::fs::read_to_string(&a).unwrap());
     let tb = strip_timestamps(&std::fs::read_to_string(&b).unwrap());
     assert_eq!(ta, tb);
@@ -88,7 +148,19 @@ fn sigkill_during_eval_loses_at_most_the_event_being_written() {
     let dir = tempfile::tempdir().unwrap();
     let eval = |sessions: &Path| {
         Command::new(env!("CARGO_BIN_EXE_envace"))
-            .args(["eval", "--model", m.to_str().unwrap(), "--env", "bank", "--limit", "4", "--mode", "shadow", "--json", "--sessions"])
+            .args([
+                "eval",
+                "--model",
+                m.to_str().unwrap(),
+                "--env",
+                "bank",
+                "--limit",
+                "4",
+                "--mode",
+                "shadow",
+                "--json",
+                "--sessions",
+            ])
             .arg(sessions)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -106,21 +178,35 @@ fn sigkill_during_eval_loses_at_most_the_event_being_written() {
         std::thread::sleep(Duration::from_millis(rng.random_range(100..2500)));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
-        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for e in entries {
             let p = e.unwrap().path();
             let text = std::fs::read_to_string(&p).unwrap();
             if text.is_empty() {
                 continue; // killed between creating the file and writing its header
             }
-            let reference = strip_timestamps(&std::fs::read_to_string(full.join(p.file_name().unwrap())).unwrap());
+            let reference = strip_timestamps(
+                &std::fs::read_to_string(full.join(p.file_name().unwrap())).unwrap(),
+            );
             let reference: Vec<&str> = reference.lines().collect();
             let complete = text.ends_with('\n');
             let lines: Vec<&str> = text.lines().collect();
-            let whole = if complete { lines.len() } else { lines.len() - 1 };
+            let whole = if complete {
+                lines.len()
+            } else {
+                lines.len() - 1
+            };
             let stripped = strip_timestamps(&lines[..whole].join("\n"));
             for (i, line) in stripped.lines().enumerate() {
-                assert_eq!(line, reference[i], "{}: line {} differs from the uninterrupted run", p.display(), i + 1);
+                assert_eq!(
+                    line,
+                    reference[i],
+                    "{}: line {} differs from the uninterrupted run",
+                    p.display(),
+                    i + 1
+                );
                 checked_lines += 1;
             }
             if whole >= 1 {

@@ -196,6 +196,27 @@ impl LocalModel {
         })
     }
 
+    /// A model over an existing decoder (e.g. the trainer's live weights: a `Decoder` clone
+    /// shares their storage, so optimizer updates are seen without copying).
+    pub fn from_parts(
+        decoder: Decoder,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        eos_ids: Vec<u32>,
+        path: &Path,
+        hash: String,
+    ) -> Self {
+        Self {
+            decoder,
+            tokenizer,
+            template,
+            eos_ids,
+            path: path.to_path_buf(),
+            hash,
+            prefixes: Vec::new(),
+        }
+    }
+
     pub fn context(&self) -> GenContext<'_> {
         GenContext {
             decoder: &self.decoder,

@@ -3,6 +3,7 @@
 //! training tab drives the same code through [`metrics::MetricsSink`].
 
 pub mod checkpoint;
+pub mod grpo;
 pub mod metrics;
 pub mod model;
 pub mod optim;

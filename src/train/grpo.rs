@@ -1,0 +1,663 @@
+//! Role-wise GRPO (EnvACE "World Rehearsal"): G episodes per task from the engine — in
+//! `rehearse` mode by default, where the simulator role answers every call and a verifier scores
+//! the committed actions afterwards — every generation a row, one baseline per role (the mean
+//! reward of that role's rows in the group), no std scaling, token-mean clipped surrogate over
+//! generated tokens only, optional KL to the starting policy and entropy bonus. `--mode real` is
+//! the actor-only baseline against the real environment.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{D, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use super::checkpoint::{self, Loaded, TrainerState};
+use super::metrics::{MetricsSink, StepMetrics};
+use super::model::{Example, TrainableModel, batch_tensors};
+use super::optim::{AdamW, AdamWConfig};
+use crate::engine::driver::{ApprovalPolicy, PolicyApprover, share_model};
+use crate::engine::profile::PromptProfile;
+use crate::engine::runner::{EpisodeEnv, ModeChoice, RunOptions, engine_config, run_episode};
+use crate::engine::spec::task_spec;
+use crate::engine::types::GenRole;
+use crate::env::domain_env::DomainEnv;
+use crate::env::domains::Domain;
+use crate::env::tasks::{Split, Task, list_tasks};
+use crate::runtime::chat_template::ChatTemplate;
+use crate::runtime::decoder::{Decoder, LogitsAt, Pass};
+use crate::runtime::{CancelToken, LocalModel};
+use crate::session::{MemorySink, TrainingRow, training_rows};
+
+/// GRPO settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GrpoConfig {
+    pub domains: Vec<String>,
+    pub mode: ModeChoice,
+    pub steps: usize,
+    /// Tasks per step.
+    pub batch: usize,
+    /// Episodes per task.
+    pub group: usize,
+    pub lr: f64,
+    pub temperature: f64,
+    pub max_turns: u32,
+    /// PPO-style ratio clipping ε (the ratio is against the rollout's logprobs).
+    pub clip_eps: f64,
+    /// Optimisation passes over each step's rows.
+    pub epochs: usize,
+    /// KL penalty to the starting policy (0 = off; k3 estimator).
+    pub kl_coef: f64,
+    pub entropy_coef: f64,
+    pub grad_clip: f64,
+    /// Tokens per forward/backward micro-batch (gradient accumulation).
+    pub micro_batch_tokens: usize,
+    pub seed: u64,
+    pub checkpoint_every: usize,
+    pub time_budget_s: Option<f64>,
+    /// Stop when the step's mean reward falls below this fraction of the first step's (after
+    /// `collapse_patience` steps), or the actor's format-error rate exceeds 0.5.
+    pub collapse_fraction: f64,
+    pub collapse_patience: usize,
+}
+
+impl Default for GrpoConfig {
+    fn default() -> Self {
+        Self {
+            domains: vec!["bank".into()],
+            mode: ModeChoice::Rehearse,
+            steps: 20,
+            batch: 4,
+            group: 4,
+            lr: 1e-4,
+            temperature: 1.0,
+            max_turns: 6,
+            clip_eps: 0.2,
+            epochs: 1,
+            kl_coef: 0.0,
+            entropy_coef: 0.0,
+            grad_clip: 1.0,
+            micro_batch_tokens: 4096,
+            seed: 0,
+            checkpoint_every: 0,
+            time_budget_s: None,
+            collapse_fraction: 0.25,
+            collapse_patience: 5,
+        }
+    }
+}
+
+/// A row with its advantage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredRow {
+    pub row: TrainingRow,
+    pub advantage: f64,
+}
+
+/// Role-wise advantages for one group (the G episodes of one task): each row's reward minus
+/// the mean reward of the rows of the same role in the group. Rehearsal-branch rows (test-time
+/// only) are not trained. Unscored episodes count as reward 0.
+pub fn role_advantages(group: &[Vec<TrainingRow>]) -> Vec<ScoredRow> {
+    let rows: Vec<&TrainingRow> = group
+        .iter()
+        .flatten()
+        .filter(|r| r.branch.is_none())
+        .collect();
+    let baseline = |role: GenRole| {
+        let rs: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.role == role)
+            .map(|r| r.reward.unwrap_or(0.0))
+            .collect();
+        if rs.is_empty() {
+            0.0
+        } else {
+            rs.iter().sum::<f64>() / rs.len() as f64
+        }
+    };
+    let (ba, bs) = (baseline(GenRole::Actor), baseline(GenRole::Simulator));
+    rows.into_iter()
+        .map(|r| {
+            let b = if r.role == GenRole::Actor { ba } else { bs };
+            ScoredRow {
+                advantage: r.reward.unwrap_or(0.0) - b,
+                row: r.clone(),
+            }
+        })
+        .collect()
+}
+
+/// Per-token log-probs (B, T-1) and entropies (B, T-1) under `decoder` in training mode.
+fn policy_terms(
+    decoder: &Decoder,
+    ids: &Tensor,
+    entropy: bool,
+) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    let (_, t) = ids.dims2()?;
+    let inp = ids.narrow(1, 0, t - 1)?;
+    let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
+    let mut cache = decoder.new_cache();
+    let logits = decoder.forward(&inp, &mut cache, Pass::Train, LogitsAt::All)?;
+    let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let lp = lsm.gather(&tgt.unsqueeze(2)?, 2)?.squeeze(2)?;
+    let ent = if entropy {
+        Some((lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?)
+    } else {
+        None
+    };
+    Ok((lp, ent))
+}
+
+/// The loss pieces of one micro-batch, already divided by `norm` (the step's masked tokens).
+struct MicroLoss {
+    loss: Tensor,
+    kl: f64,
+    entropy: f64,
+}
+
+fn micro_loss(
+    policy: &Decoder,
+    reference: Option<&Decoder>,
+    rows: &[&ScoredRow],
+    cfg: &GrpoConfig,
+    norm: f64,
+) -> candle_core::Result<MicroLoss> {
+    let dev = &policy.device;
+    let examples: Vec<Example> = rows
+        .iter()
+        .map(|r| {
+            let mut ids = r.row.prompt_ids.clone();
+            ids.extend_from_slice(&r.row.response_ids);
+            let mut mask = vec![0.0; r.row.prompt_ids.len()];
+            mask.extend(r.row.loss_mask.iter().map(|&m| f32::from(m)));
+            Example { ids, mask }
+        })
+        .collect();
+    let refs: Vec<&Example> = examples.iter().collect();
+    let (ids, mask) = batch_tensors(&refs, dev)?;
+    let (b, t1) = mask.dims2()?;
+    // Advantages and rollout logprobs laid out like the mask.
+    let mut adv = vec![0f32; b * t1];
+    let mut old = vec![0f32; b * t1];
+    for (i, r) in rows.iter().enumerate() {
+        let p = r.row.prompt_ids.len();
+        for (k, lp) in r.row.logprobs.iter().enumerate() {
+            let pos = p + k; // predicting ids[pos] from position pos-1
+            if pos >= 1 && pos - 1 < t1 {
+                adv[i * t1 + pos - 1] = r.advantage as f32;
+                old[i * t1 + pos - 1] = *lp;
+            }
+        }
+    }
+    let adv = Tensor::from_vec(adv, (b, t1), dev)?;
+    let old = Tensor::from_vec(old, (b, t1), dev)?;
+    let (lp, ent) = policy_terms(policy, &ids, cfg.entropy_coef > 0.0)?;
+    let ratio = (&lp - &old)?.exp()?;
+    let clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)?;
+    let surrogate = (&ratio * &adv)?.minimum(&(clipped * &adv)?)?;
+    let mut loss = ((surrogate * &mask)?.sum_all()?.neg()? / norm)?;
+    let mut kl_v = 0.0;
+    if let Some(reference) = reference
+        && cfg.kl_coef > 0.0
+    {
+        let (ref_lp, _) = policy_terms(reference, &ids, false)?;
+        let d = (ref_lp.detach() - &lp)?;
+        let k3 = ((d.exp()? - &d)? - 1.0)?;
+        let kl = ((k3 * &mask)?.sum_all()? / norm)?;
+        kl_v = kl.to_scalar::<f32>()? as f64;
+        loss = (loss + (kl * cfg.kl_coef)?)?;
+    }
+    let mut ent_v = 0.0;
+    if let Some(e) = ent {
+        let e = ((e * &mask)?.sum_all()? / norm)?;
+        ent_v = e.to_scalar::<f32>()? as f64;
+        loss = (loss - (e * cfg.entropy_coef)?)?;
+    }
+    Ok(MicroLoss {
+        loss,
+        kl: kl_v,
+        entropy: ent_v,
+    })
+}
+
+/// The tasks of step `step` (a seeded order over the train split, cycling).
+pub fn step_tasks(
+    tasks: &[&'static Task],
+    batch: usize,
+    seed: u64,
+    step: usize,
+) -> Vec<&'static Task> {
+    let lengths = vec![1usize; tasks.len()];
+    super::sft::batch_indices(&lengths, batch, seed, step)
+        .into_iter()
+        .map(|i| tasks[i])
+        .collect()
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct GrpoReport {
+    pub steps: usize,
+    pub episodes: usize,
+    pub first_reward: f64,
+    pub last_reward: f64,
+    pub stopped: String,
+    pub seconds: f64,
+}
+
+/// Everything a GRPO run needs besides its config.
+pub struct GrpoRun<'a> {
+    pub model: &'a TrainableModel,
+    /// The model directory (tokenizer, template, prompt profile).
+    pub model_dir: &'a Path,
+    pub out: Option<&'a Path>,
+    pub resume: Option<&'a Loaded>,
+    pub sink: &'a mut dyn MetricsSink,
+    pub cancel: &'a CancelToken,
+}
+
+/// Train.
+pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainError> {
+    let GrpoRun {
+        model,
+        model_dir,
+        out,
+        resume,
+        sink,
+        cancel,
+    } = run;
+    let base = LocalModel::load_on(model_dir, &model.decoder.device, None)?;
+    let profile = PromptProfile::read(model_dir).map_err(|e| TrainError::Data(e.to_string()))?;
+    let mut tasks: Vec<&'static Task> = Vec::new();
+    for d in &cfg.domains {
+        let domain = Domain::from_name(d).map_err(|e| TrainError::Data(e.to_string()))?;
+        tasks.extend(list_tasks(domain, Some(Split::Train)));
+    }
+    if tasks.is_empty() {
+        return Err(TrainError::Data("no training tasks".into()));
+    }
+    let reference = (cfg.kl_coef > 0.0)
+        .then(|| deep_copy(&model.decoder))
+        .transpose()?;
+    let mut opt = AdamW::new(
+        model.named_vars(),
+        AdamWConfig {
+            lr: cfg.lr,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    )?;
+    let mut step = 0;
+    if let Some(l) = resume {
+        opt.load_state(&l.optimizer, l.state.step)
+            .map_err(|m| TrainError::Checkpoint(format!("{}: {m}", l.dir.display())))?;
+        step = l.state.step;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| TrainError::Data(format!("tokio: {e}")))?;
+    let t0 = Instant::now();
+    let (mut first, mut last, mut episodes) = (f64::NAN, f64::NAN, 0usize);
+    let mut stopped = "steps".to_string();
+    let tok_json = model_dir.join("tokenizer.json");
+    while step < cfg.steps {
+        if cancel.is_cancelled() {
+            stopped = "cancelled".into();
+            break;
+        }
+        if let Some(b) = cfg.time_budget_s
+            && t0.elapsed().as_secs_f64() > b
+        {
+            stopped = "time budget".into();
+            break;
+        }
+        let ts = Instant::now();
+        // 1. Rollouts with the current weights.
+        let template = ChatTemplate::new(
+            &base.template.source,
+            &base.template.bos_token,
+            &base.template.eos_token,
+        )?;
+        let view = LocalModel::from_parts(
+            model.decoder.clone(),
+            base.tokenizer.clone(),
+            template,
+            base.eos_ids.clone(),
+            model_dir,
+            format!("grpo-step-{step}"),
+        );
+        let shared = share_model(Box::new(view));
+        let mut groups: Vec<Vec<Vec<TrainingRow>>> = Vec::new();
+        let (mut reward_sum, mut n_eps, mut fmt_fail, mut actor_turns, mut sim_fail, mut sim_gens) =
+            (0.0, 0usize, 0usize, 0usize, 0usize, 0usize);
+        for (ti, task) in step_tasks(&tasks, cfg.batch, cfg.seed, step)
+            .into_iter()
+            .enumerate()
+        {
+            let mut group = Vec::with_capacity(cfg.group);
+            for g in 0..cfg.group {
+                let opts = RunOptions {
+                    mode: cfg.mode,
+                    max_turns: cfg.max_turns,
+                    temperature: cfg.temperature,
+                    approve: ApprovalPolicy::Always,
+                    seed: cfg
+                        .seed
+                        .wrapping_mul(1_000_003)
+                        .wrapping_add((step * 10_007 + ti * 101 + g) as u64),
+                    ..RunOptions::default()
+                };
+                let mut ecfg = engine_config(&opts, profile.as_ref())
+                    .map_err(|e| TrainError::Data(e.to_string()))?;
+                ecfg.simulator_sampling.temperature = cfg.temperature;
+                let domain = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
+                // Rehearse: the simulator sees the task's recorded gold run (as in EnvACE).
+                let spec = task_spec(task, cfg.mode == ModeChoice::Rehearse)
+                    .map_err(|e| TrainError::Data(e.to_string()))?;
+                let mut env = DomainEnv::with_tasks(domain, vec![(*task).clone()]);
+                let mut sink_mem = MemorySink::default();
+                let mut approver = PolicyApprover(ApprovalPolicy::Always);
+                let outcome = rt
+                    .block_on(run_episode(
+                        &shared,
+                        spec,
+                        ecfg,
+                        EpisodeEnv::Domain(&mut env),
+                        Some(task.id.clone()),
+                        &mut approver,
+                        &mut sink_mem,
+                        None,
+                        cancel.clone(),
+                    ))
+                    .map_err(|e| TrainError::Data(format!("rollout: {e}")))?;
+                reward_sum += outcome.reward();
+                n_eps += 1;
+                fmt_fail += outcome.stats.actor_turns_failed;
+                actor_turns += outcome.stats.actor_turns;
+                sim_fail +=
+                    outcome.stats.simulator_format_failures + outcome.stats.simulator_rejections;
+                sim_gens += outcome.stats.simulator_generations;
+                group.push(training_rows(&sink_mem.records));
+            }
+            groups.push(group);
+        }
+        episodes += n_eps;
+        let mean_reward = reward_sum / n_eps.max(1) as f64;
+        let rows: Vec<ScoredRow> = groups.iter().flat_map(|g| role_advantages(g)).collect();
+        let role_mean = |role: GenRole| {
+            let v: Vec<f64> = rows
+                .iter()
+                .filter(|r| r.row.role == role)
+                .map(|r| r.row.reward.unwrap_or(0.0))
+                .collect();
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        let adv: Vec<f64> = rows.iter().map(|r| r.advantage).collect();
+        let adv_abs = adv.iter().map(|a| a.abs()).sum::<f64>() / adv.len().max(1) as f64;
+        // 2. Optimise on rows that carry signal.
+        let active: Vec<&ScoredRow> = rows
+            .iter()
+            .filter(|r| r.advantage != 0.0 && !r.row.response_ids.is_empty())
+            .collect();
+        let norm: f64 = active
+            .iter()
+            .map(|r| r.row.loss_mask.iter().map(|&m| f64::from(m)).sum::<f64>())
+            .sum();
+        let (mut loss_v, mut kl_v, mut ent_v, mut gn) = (0.0, 0.0, 0.0, 0.0);
+        let mut trained_tokens = 0usize;
+        if norm > 0.0 {
+            for _ in 0..cfg.epochs.max(1) {
+                let mut acc: Option<candle_core::backprop::GradStore> = None;
+                let mut start = 0;
+                while start < active.len() {
+                    let mut end = start;
+                    let mut toks = 0;
+                    while end < active.len()
+                        && (end == start
+                            || toks
+                                + active[end].row.prompt_ids.len()
+                                + active[end].row.response_ids.len()
+                                <= cfg.micro_batch_tokens)
+                    {
+                        toks +=
+                            active[end].row.prompt_ids.len() + active[end].row.response_ids.len();
+                        end += 1;
+                    }
+                    let ml = micro_loss(
+                        &model.decoder,
+                        reference.as_ref(),
+                        &active[start..end],
+                        cfg,
+                        norm,
+                    )?;
+                    loss_v += ml.loss.to_scalar::<f32>()? as f64;
+                    kl_v += ml.kl;
+                    ent_v += ml.entropy;
+                    trained_tokens += toks;
+                    let grads = ml.loss.backward()?;
+                    acc = Some(match acc {
+                        None => grads,
+                        Some(mut a) => {
+                            for (_, v) in opt.params() {
+                                if let Some(g) = grads.get(v.as_tensor()) {
+                                    let sum = match a.get(v.as_tensor()) {
+                                        Some(prev) => (prev + g)?,
+                                        None => g.clone(),
+                                    };
+                                    a.insert(v.as_tensor(), sum);
+                                }
+                            }
+                            a
+                        }
+                    });
+                    start = end;
+                }
+                if let Some(grads) = acc {
+                    gn = opt.grad_norm(&grads)?;
+                    let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip {
+                        cfg.grad_clip / gn
+                    } else {
+                        1.0
+                    };
+                    opt.step(&grads, cfg.lr, scale)?;
+                }
+            }
+        }
+        step += 1;
+        if first.is_nan() {
+            first = mean_reward;
+        }
+        last = mean_reward;
+        let secs = ts.elapsed().as_secs_f64();
+        let fmt_rate = fmt_fail as f64 / actor_turns.max(1) as f64;
+        sink.record(
+            &StepMetrics::new("grpo", step)
+                .with("reward", mean_reward)
+                .with("reward_actor", role_mean(GenRole::Actor))
+                .with("reward_simulator", role_mean(GenRole::Simulator))
+                .with("adv_abs_mean", adv_abs)
+                .with("rows", rows.len())
+                .with("rows_with_signal", active.len())
+                .with("loss", loss_v)
+                .with("kl", kl_v)
+                .with("entropy", ent_v)
+                .with("grad_norm", gn)
+                .with("actor_format_error_rate", fmt_rate)
+                .with("sim_failure_rate", sim_fail as f64 / sim_gens.max(1) as f64)
+                .with("tokens_per_s", trained_tokens as f64 / secs.max(1e-9))
+                .with("seconds", secs),
+        );
+        if let Some(dir) = out
+            && cfg.checkpoint_every > 0
+            && step % cfg.checkpoint_every == 0
+        {
+            save(
+                model,
+                &opt,
+                cfg,
+                &tok_json,
+                &dir.join(format!("checkpoint-{step}")),
+                step,
+                model_dir,
+            )?;
+        }
+        if step > cfg.collapse_patience
+            && first > 0.0
+            && mean_reward < cfg.collapse_fraction * first
+        {
+            stopped = format!(
+                "collapse: reward {mean_reward:.3} < {:.2} × first {first:.3}",
+                cfg.collapse_fraction
+            );
+            sink.log(&stopped);
+            break;
+        }
+        if fmt_rate > 0.5 && step > cfg.collapse_patience {
+            stopped = format!("collapse: actor format-error rate {fmt_rate:.2}");
+            sink.log(&stopped);
+            break;
+        }
+    }
+    if let Some(dir) = out {
+        save(
+            model,
+            &opt,
+            cfg,
+            &tok_json,
+            &dir.join("final"),
+            step,
+            model_dir,
+        )?;
+    }
+    Ok(GrpoReport {
+        steps: step,
+        episodes,
+        first_reward: first,
+        last_reward: last,
+        stopped,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+fn deep_copy(d: &Decoder) -> Result<Decoder, TrainError> {
+    // Round-trip the weights so that the reference shares no storage with the policy.
+    let mut copy = d.clone();
+    let cp = |t: &Tensor| -> candle_core::Result<Tensor> { t.copy().map(|t| t.detach()) };
+    copy.embed.weight = cp(&d.embed.weight)?;
+    copy.norm.weight = cp(&d.norm.weight)?;
+    let fix = |l: &mut crate::runtime::decoder::Linear| -> candle_core::Result<()> {
+        if let crate::runtime::decoder::Weight::Dense(w) = &l.weight {
+            l.weight = crate::runtime::decoder::Weight::Dense(cp(w)?);
+        }
+        if let Some(b) = &l.bias {
+            l.bias = Some(cp(b)?);
+        }
+        Ok(())
+    };
+    for l in copy.layers.iter_mut() {
+        fix(&mut l.self_attn.q_proj)?;
+        fix(&mut l.self_attn.k_proj)?;
+        fix(&mut l.self_attn.v_proj)?;
+        fix(&mut l.self_attn.o_proj)?;
+        fix(&mut l.mlp.gate_proj)?;
+        fix(&mut l.mlp.up_proj)?;
+        fix(&mut l.mlp.down_proj)?;
+        l.input_layernorm.weight = cp(&l.input_layernorm.weight)?;
+        l.post_attention_layernorm.weight = cp(&l.post_attention_layernorm.weight)?;
+        if let Some(n) = l.self_attn.q_norm.as_mut() {
+            n.weight = cp(&n.weight)?;
+        }
+        if let Some(n) = l.self_attn.k_norm.as_mut() {
+            n.weight = cp(&n.weight)?;
+        }
+    }
+    fix(&mut copy.lm_head)?;
+    Ok(copy)
+}
+
+fn save(
+    model: &TrainableModel,
+    opt: &AdamW,
+    cfg: &GrpoConfig,
+    tokenizer_json: &Path,
+    dir: &Path,
+    step: usize,
+    model_dir: &Path,
+) -> Result<(), TrainError> {
+    let state = TrainerState {
+        kind: "grpo".into(),
+        step,
+        total_steps: cfg.steps,
+        seed: cfg.seed,
+        rng: serde_json::json!({"rollout_seeds": "f(seed, step, task index, group index)", "task_order": "seeded epoch permutations"}),
+        config: serde_json::to_value(cfg).unwrap_or_default(),
+        metrics: serde_json::Value::Null,
+    };
+    checkpoint::save(
+        dir,
+        &model.decoder.cfg,
+        &model.weights(),
+        tokenizer_json,
+        Some(&opt.state_tensors()),
+        &state,
+    )?;
+    let profile: PathBuf = model_dir.join("envace.json");
+    if profile.is_file() {
+        std::fs::copy(&profile, dir.join("envace.json"))
+            .map_err(|e| TrainError::Data(format!("{}: {e}", profile.display())))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(role: GenRole, reward: f64) -> TrainingRow {
+        TrainingRow {
+            role,
+            branch: None,
+            prompt_ids: vec![1, 2],
+            response_ids: vec![3],
+            logprobs: vec![-0.5],
+            loss_mask: vec![1],
+            reward: Some(reward),
+        }
+    }
+
+    #[test]
+    fn advantages_use_one_baseline_per_role_without_std_scaling() {
+        use GenRole::{Actor as A, Simulator as S};
+        // Episode 1 (reward 1): 2 actor rows, 1 simulator row. Episode 2 (reward 0): 1 actor
+        // row, 3 simulator rows. Actor baseline = (1+1+0)/3 = 2/3; simulator = (1+0+0+0)/4 = 1/4.
+        let group = vec![
+            vec![row(A, 1.0), row(A, 1.0), row(S, 1.0)],
+            vec![row(A, 0.0), row(S, 0.0), row(S, 0.0), row(S, 0.0)],
+        ];
+        let scored = role_advantages(&group);
+        let adv: Vec<(GenRole, f64)> = scored.iter().map(|r| (r.row.role, r.advantage)).collect();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(adv[0].1, 1.0 / 3.0) && close(adv[1].1, 1.0 / 3.0));
+        assert!(close(adv[2].1, 0.75));
+        assert!(close(adv[3].1, -2.0 / 3.0));
+        assert!(adv[4..].iter().all(|(r, a)| *r == S && close(*a, -0.25)));
+    }
+
+    #[test]
+    fn rehearsal_branch_rows_are_not_trained_and_unscored_counts_as_zero() {
+        let mut b = row(GenRole::Actor, 1.0);
+        b.branch = Some(0);
+        let mut u = row(GenRole::Actor, 0.0);
+        u.reward = None;
+        let scored = role_advantages(&[vec![b, row(GenRole::Actor, 1.0)], vec![u]]);
+        assert_eq!(scored.len(), 2);
+        assert!((scored[0].advantage - 0.5).abs() < 1e-12);
+        assert!((scored[1].advantage + 0.5).abs() < 1e-12);
+    }
+}
