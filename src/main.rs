@@ -167,7 +167,7 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
     let args = cli::RunArgs {
         model: path,
         env: Some("bank".into()),
-        task: Some("bank-test-0002".into()),
+        task: Some("bank-test-0004".into()),
         mcp: envace::env::cli::McpArgs {
             mcp: None,
             mcp_url: None,

@@ -92,7 +92,7 @@ fn private_rehearsal_parallel_and_sequential_build_a_branch_tree() {
     for strategy in ["parallel", "sequential"] {
         let p = dir.path().join(format!("{strategy}.jsonl"));
         run(
-            "bank-test-0002",
+            "bank-test-0001",
             &[
                 "--mode",
                 "real",

@@ -1,0 +1,240 @@
+//! Training: SFT learns, the mask selects exactly the generated tokens, resume is bit-for-bit,
+//! broken checkpoints are refused, and a GRPO step runs on the bundled model end to end.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::path::Path;
+
+use candle_core::Device;
+use envace::runtime::config::Family;
+use envace::runtime::fixture::write_tiny_checkpoint;
+use envace::runtime::{CancelToken, LocalModel};
+use envace::train::checkpoint::load_for_resume;
+use envace::train::metrics::MemorySink;
+use envace::train::model::{Example, TrainableModel, batch_tensors, masked_nll, token_logprobs};
+use envace::train::sft::{SftConfig, run_sft};
+
+fn examples() -> Vec<Example> {
+    (0..6u32)
+        .map(|k| {
+            let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + k * 13) % 250).collect();
+            let mask = (0..20).map(|i| if i >= 10 { 1.0 } else { 0.0 }).collect();
+            Example { ids, mask }
+        })
+        .collect()
+}
+
+fn tiny() -> (tempfile::TempDir, TrainableModel) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_checkpoint(dir.path(), Family::Qwen2, 3).unwrap();
+    let m = TrainableModel::load(dir.path(), &Device::Cpu).unwrap();
+    (dir, m)
+}
+
+fn cfg(steps: usize) -> SftConfig {
+    SftConfig {
+        steps,
+        batch_size: 3,
+        lr: 3e-3,
+        warmup: 2,
+        checkpoint_every: 0,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn loss_falls_on_a_tiny_overfit_set() {
+    let (dir, m) = tiny();
+    let r = run_sft(
+        &m,
+        &examples(),
+        &cfg(40),
+        &dir.path().join("tokenizer.json"),
+        None,
+        None,
+        &mut MemorySink::default(),
+        &CancelToken::new(),
+    )
+    .unwrap();
+    assert!(
+        r.last_loss < 0.5 * r.first_loss,
+        "{} -> {}",
+        r.first_loss,
+        r.last_loss
+    );
+}
+
+#[test]
+fn the_loss_is_the_mean_over_masked_tokens_only() {
+    let (_dir, m) = tiny();
+    let ex = examples();
+    let refs: Vec<&Example> = ex.iter().take(2).collect();
+    let (loss, n) = masked_nll(&m.decoder, &refs).unwrap();
+    let (ids, mask) = batch_tensors(&refs, &Device::Cpu).unwrap();
+    let lp = token_logprobs(&m.decoder, &ids)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let mask = mask.to_vec2::<f32>().unwrap();
+    let mut sum = 0f64;
+    let mut count = 0f64;
+    for (r, row) in lp.iter().enumerate() {
+        for (t, v) in row.iter().enumerate() {
+            if mask[r][t] > 0.0 {
+                sum += *v as f64;
+                count += 1.0;
+            }
+        }
+    }
+    assert_eq!(n, count);
+    assert_eq!(count, 2.0 * 10.0);
+    let want = -sum / count;
+    assert!((loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-4);
+    // A fully masked-out example contributes nothing: its loss is zero.
+    let none = Example {
+        ids: ex[0].ids.clone(),
+        mask: vec![0.0; 20],
+    };
+    let (l0, n0) = masked_nll(&m.decoder, &[&none]).unwrap();
+    assert_eq!(n0, 0.0);
+    assert_eq!(l0.to_scalar::<f32>().unwrap(), 0.0);
+}
+
+fn weights_of(dir: &Path) -> std::collections::HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+#[test]
+fn resume_continues_bit_for_bit() {
+    let ex = examples();
+    // Straight run: 8 steps with a checkpoint every 4.
+    let (dir, m) = tiny();
+    let tok = dir.path().join("tokenizer.json");
+    let out = dir.path().join("straight");
+    let mut c = cfg(8);
+    c.checkpoint_every = 4;
+    run_sft(
+        &m,
+        &ex,
+        &c,
+        &tok,
+        Some(&out),
+        None,
+        &mut MemorySink::default(),
+        &CancelToken::new(),
+    )
+    .unwrap();
+    // Resumed run: from checkpoint-4 to 8.
+    let ck = out.join("checkpoint-4");
+    let loaded = load_for_resume(&ck, &Device::Cpu).unwrap();
+    assert_eq!(loaded.state.step, 4);
+    let m2 = TrainableModel::load(&ck, &Device::Cpu).unwrap();
+    let out2 = dir.path().join("resumed");
+    run_sft(
+        &m2,
+        &ex,
+        &c,
+        &tok,
+        Some(&out2),
+        Some(&loaded),
+        &mut MemorySink::default(),
+        &CancelToken::new(),
+    )
+    .unwrap();
+    assert_eq!(
+        weights_of(&out.join("final")),
+        weights_of(&out2.join("final"))
+    );
+    // The checkpoint is a loadable model directory.
+    LocalModel::load_on(&out2.join("final"), &Device::Cpu, None).unwrap();
+}
+
+#[test]
+fn partial_or_corrupt_checkpoints_are_refused() {
+    let (dir, m) = tiny();
+    let tok = dir.path().join("tokenizer.json");
+    let out = dir.path().join("run");
+    run_sft(
+        &m,
+        &examples(),
+        &cfg(2),
+        &tok,
+        Some(&out),
+        None,
+        &mut MemorySink::default(),
+        &CancelToken::new(),
+    )
+    .unwrap();
+    let fin = out.join("final");
+    // Truncated weights.
+    let bad = dir.path().join("truncated");
+    std::fs::create_dir_all(&bad).unwrap();
+    for f in std::fs::read_dir(&fin).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), bad.join(f.file_name())).unwrap();
+    }
+    let w = std::fs::read(bad.join("model.safetensors")).unwrap();
+    std::fs::write(bad.join("model.safetensors"), &w[..w.len() / 3]).unwrap();
+    let e = load_for_resume(&bad, &Device::Cpu).unwrap_err().to_string();
+    assert!(
+        e.contains("truncated") && e.contains("model.safetensors"),
+        "{e}"
+    );
+    // Interrupted before the state file was written.
+    std::fs::write(bad.join("model.safetensors"), &w).unwrap();
+    std::fs::remove_file(bad.join("trainer_state.json")).unwrap();
+    let e = load_for_resume(&bad, &Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("trainer_state.json is missing"), "{e}");
+    // A leftover temp directory from a killed save never replaces the good checkpoint.
+    assert!(!out.join("final.tmp").exists());
+}
+
+#[test]
+fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+    assert!(
+        src.join("model.safetensors").is_file(),
+        "the bundled model is missing"
+    );
+    let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let cfg = GrpoConfig {
+        steps: 1,
+        batch: 2,
+        group: 3,
+        mode: ModeChoice::Rehearse,
+        ..Default::default()
+    };
+    let mut sink = MemorySink::default();
+    let r = run_grpo(
+        &cfg,
+        GrpoRun {
+            model: &model,
+            model_dir: &src,
+            out: Some(out.path()),
+            resume: None,
+            sink: &mut sink,
+            cancel: &CancelToken::new(),
+        },
+    )
+    .unwrap();
+    assert_eq!(r.steps, 1);
+    assert_eq!(r.episodes, 6);
+    let m = &sink.steps[0];
+    assert!(m.get("rows").unwrap() >= 6.0, "{m:?}");
+    assert!(m.get("loss").unwrap().is_finite());
+    let fin = out.path().join("final");
+    assert!(fin.join("envace.json").is_file());
+    assert_eq!(
+        load_for_resume(&fin, &Device::Cpu).unwrap().state.kind,
+        "grpo"
+    );
+    LocalModel::load_on(&fin, &Device::Cpu, None).unwrap();
+}
