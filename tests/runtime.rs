@@ -496,3 +496,20 @@ fn compact_template_lists_tools_by_name_and_renders_calls_on_one_line() {
         "<|im_start|>system\nBank agent.\ntools: get_balance(acc) transfer(src,dst,amount)<|im_end|>\n<|im_start|>user\nBalance of acc_1?<|im_end|>\n<|im_start|>assistant\n<tool_call>{\"name\": \"get_balance\", \"arguments\": {\"acc\": \"acc_1\"}}</tool_call><|im_end|>\n<|im_start|>tool\n{\"balance\": 40}<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn prefix_reuse_across_calls_equals_fresh_generation() {
+    // A conversation grows and branches off earlier points: the cached prefixes are truncated,
+    // extended and forked; every answer must equal a fresh prefill of the same prompt.
+    let (_d, mut m) = tiny(Family::Llama, 12);
+    let c = CancelToken::new();
+    let prompts = ["system: bank. user: pay 40", "system: bank. user: pay 40 now", "system: bank. user: refund", "system: bank. user: pay 40 now please"];
+    for p in prompts {
+        let ids = m.encode(p).unwrap();
+        let got = m.generate(&ids, 2, &greedy(10), None, &c).unwrap();
+        let mut fresh = Prefix::new(&m.decoder, &ids).unwrap();
+        let want = fresh.generate(m.context(), 1, &greedy(10), None, &c).unwrap();
+        assert_eq!(got[0].response_ids, want[0].0.response_ids, "{p}");
+        assert_eq!(got[1].response_ids, want[0].0.response_ids, "{p}");
+    }
+}

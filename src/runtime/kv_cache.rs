@@ -31,10 +31,12 @@ impl LayerKv {
     /// A private copy of the valid positions (clones never share storage: in-place appends
     /// into shared spare capacity would corrupt the other holder).
     fn deep_copy(&self) -> Result<Self> {
+        // `copy` keeps the source layout (a narrowed view stays strided) and `contiguous` is a
+        // no-op on a full-length view: do both, so the copy is contiguous and owns its storage.
         let (k, v) = self.view()?;
         Ok(Self {
-            k: k.copy()?,
-            v: v.copy()?,
+            k: k.contiguous()?.copy()?,
+            v: v.contiguous()?.copy()?,
             len: self.len,
         })
     }
