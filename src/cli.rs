@@ -248,6 +248,10 @@ pub struct PretrainArgs {
     /// Metrics JSONL (one object per step).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Continue from an existing model directory (its tokenizer and weights) with a fresh
+    /// schedule, instead of starting from scratch.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     /// Print corpus statistics and samples, train nothing.
     #[arg(long)]
     pub dry_run: bool,

@@ -276,9 +276,11 @@ pub struct PretrainReport {
     pub seconds: f64,
 }
 
-/// Run the whole pipeline into `out` (an HF checkpoint directory).
+/// Run the whole pipeline into `out` (an HF checkpoint directory). With `init`, training
+/// continues from that model (its tokenizer and weights) with a fresh schedule.
 pub fn run_pretrain(
     cfg: &PretrainConfig,
+    init: Option<&Path>,
     out: &Path,
     sink: &mut dyn MetricsSink,
     cancel: &CancelToken,
@@ -290,8 +292,17 @@ pub fn run_pretrain(
     let work = out.with_extension("work");
     std::fs::create_dir_all(&work)
         .map_err(|e| TrainError::Data(format!("{}: {e}", work.display())))?;
-    let hf_tok = super::tokenizer::train_bpe(&tokenizer_corpus(&texts), cfg.vocab_size, 8)?;
     let tok_path = work.join("tokenizer.json");
+    let hf_tok = match init {
+        // Continue training an existing model: keep its tokenizer.
+        Some(dir) => {
+            std::fs::copy(dir.join("tokenizer.json"), &tok_path)
+                .map_err(|e| TrainError::Data(format!("{}: {e}", dir.join("tokenizer.json").display())))?;
+            tokenizers::Tokenizer::from_file(&tok_path)
+                .map_err(|e| TrainError::Data(format!("{}: {e}", tok_path.display())))?
+        }
+        None => super::tokenizer::train_bpe(&tokenizer_corpus(&texts), cfg.vocab_size, 8)?,
+    };
     super::tokenizer::save(&hf_tok, &tok_path)?;
     let tc = tokenizer_config_with(COMPACT_TOOLS_TEMPLATE);
     std::fs::write(
@@ -340,7 +351,11 @@ pub fn run_pretrain(
         eos_token_ids: vec![im_end],
     };
     let device = candle_core::Device::Cpu;
-    let model = TrainableModel::init(&dcfg, cfg.seed, &device)?;
+    let model = match init {
+        Some(dir) => TrainableModel::load(dir, &device)?,
+        None => TrainableModel::init(&dcfg, cfg.seed, &device)?,
+    };
+    let dcfg = model.decoder.cfg.clone();
     let mut sft = cfg.sft.clone();
     sft.seed = cfg.seed;
     sft.max_len = cfg.max_len;
