@@ -126,8 +126,14 @@ pub struct EvalArgs {
     pub command: Option<EvalCommand>,
     #[arg(long, default_value = "models/envace-tiny")]
     pub model: PathBuf,
-    #[arg(long, required = true)]
+    /// A built-in domain to evaluate on.
+    #[arg(long, required_unless_present = "bfcl")]
     pub env: Option<String>,
+    /// Score the live model on a BFCL-v4 directory instead (with --category).
+    #[arg(long, requires = "category")]
+    pub bfcl: Option<PathBuf>,
+    #[arg(long)]
+    pub category: Option<String>,
     #[arg(long, default_value = "test")]
     pub split: String,
     #[arg(long)]

@@ -266,3 +266,47 @@ pub async fn eval_domain(
         outcomes,
     ))
 }
+
+/// Score a live model on a BFCL-v4 single-turn category with the same AST checker as
+/// `envace eval bfcl`: one actor turn per entry (the entry's functions as tools), calls parsed by
+/// the actor parser. Returns the report and the calls made (id → calls).
+pub fn eval_bfcl_live(
+    model: &SharedModel,
+    entries: &[crate::env::bfcl::BfclEntry],
+    category: &str,
+    opts: &RunOptions,
+    profile: Option<&PromptProfile>,
+    mut progress: impl FnMut(usize, usize),
+    cancel: &CancelToken,
+) -> Result<crate::env::bfcl::BfclReport, crate::runtime::RuntimeError> {
+    use crate::engine::parse::parse_actor;
+    use crate::engine::prompts::actor::tools_json;
+    use crate::message::Message;
+    let mut responses = std::collections::HashMap::new();
+    let thinking = profile.is_some_and(|p| p.actor_thinking);
+    let params = crate::runtime::SamplingParams {
+        temperature: opts.temperature,
+        seed: opts.seed,
+        max_tokens: 384,
+        ..Default::default()
+    };
+    let mut guard = model
+        .lock()
+        .map_err(|_| crate::runtime::RuntimeError::Generation("model lock poisoned".into()))?;
+    for (i, e) in entries.iter().enumerate() {
+        if cancel.is_cancelled() {
+            break;
+        }
+        let msgs: Vec<Message> = e.user_messages().into_iter().map(Message::user).collect();
+        let prompt = guard.render_chat(&msgs, &tools_json(&e.tools()), true, thinking)?;
+        let ids = guard.encode(&prompt)?;
+        let gen = guard.generate(&ids, 1, &params, None, cancel)?;
+        let calls = gen
+            .first()
+            .map(|g| parse_actor(&g.text).calls().to_vec())
+            .unwrap_or_default();
+        responses.insert(e.id.clone(), calls);
+        progress(i + 1, entries.len());
+    }
+    Ok(crate::env::bfcl::evaluate(entries, category, &responses))
+}
