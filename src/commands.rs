@@ -184,10 +184,20 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
             "total": report.total,
             "seconds": t0.elapsed().as_secs_f64(),
         });
-        println!("{}", if a.json { v.to_string() } else { serde_json::to_string_pretty(&v)? });
+        println!(
+            "{}",
+            if a.json {
+                v.to_string()
+            } else {
+                serde_json::to_string_pretty(&v)?
+            }
+        );
         return Ok(());
     }
-    let env = a.env.as_deref().context("--env DOMAIN (or --bfcl DIR --category NAME) is required")?;
+    let env = a
+        .env
+        .as_deref()
+        .context("--env DOMAIN (or --bfcl DIR --category NAME) is required")?;
     let domain = Domain::from_name(env)?;
     let split = match a.split.as_str() {
         "train" => Split::Train,

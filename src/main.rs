@@ -73,7 +73,13 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
         Some(p) => Box::new(JsonlSink::create(p, a.json)?),
         None => Box::new(NullSink),
     };
-    let report = run_pretrain(&cfg, a.init.as_deref(), &a.out, sink.as_mut(), &CancelToken::new())?;
+    let report = run_pretrain(
+        &cfg,
+        a.init.as_deref(),
+        &a.out,
+        sink.as_mut(),
+        &CancelToken::new(),
+    )?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

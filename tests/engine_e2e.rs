@@ -221,11 +221,25 @@ fn sigkill_during_eval_loses_at_most_the_event_being_written() {
 
 #[test]
 fn live_bfcl_scoring_runs_the_model_through_the_ast_checker() {
-    let gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(gguf.is_file(), "fixture {} is missing: run scripts/fetch-fixtures", gguf.display());
+    let gguf =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        gguf.is_file(),
+        "fixture {} is missing: run scripts/fetch-fixtures",
+        gguf.display()
+    );
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bfcl");
     for (cat, n) in [("simple_python", 3.0), ("irrelevance", 2.0)] {
-        let v = envace(&["eval", "--model", gguf.to_str().unwrap(), "--bfcl", data.to_str().unwrap(), "--category", cat, "--json"]);
+        let v = envace(&[
+            "eval",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--bfcl",
+            data.to_str().unwrap(),
+            "--category",
+            cat,
+            "--json",
+        ]);
         assert_eq!(v["total"].as_f64(), Some(n), "{v}");
         let acc = v["accuracy"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&acc));

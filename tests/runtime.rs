@@ -503,12 +503,19 @@ fn prefix_reuse_across_calls_equals_fresh_generation() {
     // extended and forked; every answer must equal a fresh prefill of the same prompt.
     let (_d, mut m) = tiny(Family::Llama, 12);
     let c = CancelToken::new();
-    let prompts = ["system: bank. user: pay 40", "system: bank. user: pay 40 now", "system: bank. user: refund", "system: bank. user: pay 40 now please"];
+    let prompts = [
+        "system: bank. user: pay 40",
+        "system: bank. user: pay 40 now",
+        "system: bank. user: refund",
+        "system: bank. user: pay 40 now please",
+    ];
     for p in prompts {
         let ids = m.encode(p).unwrap();
         let got = m.generate(&ids, 2, &greedy(10), None, &c).unwrap();
         let mut fresh = Prefix::new(&m.decoder, &ids).unwrap();
-        let want = fresh.generate(m.context(), 1, &greedy(10), None, &c).unwrap();
+        let want = fresh
+            .generate(m.context(), 1, &greedy(10), None, &c)
+            .unwrap();
         assert_eq!(got[0].response_ids, want[0].0.response_ids, "{p}");
         assert_eq!(got[1].response_ids, want[0].0.response_ids, "{p}");
     }

@@ -300,8 +300,8 @@ pub fn eval_bfcl_live(
         let msgs: Vec<Message> = e.user_messages().into_iter().map(Message::user).collect();
         let prompt = guard.render_chat(&msgs, &tools_json(&e.tools()), true, thinking)?;
         let ids = guard.encode(&prompt)?;
-        let gen = guard.generate(&ids, 1, &params, None, cancel)?;
-        let calls = gen
+        let generated = guard.generate(&ids, 1, &params, None, cancel)?;
+        let calls = generated
             .first()
             .map(|g| parse_actor(&g.text).calls().to_vec())
             .unwrap_or_default();

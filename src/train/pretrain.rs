@@ -296,8 +296,9 @@ pub fn run_pretrain(
     let hf_tok = match init {
         // Continue training an existing model: keep its tokenizer.
         Some(dir) => {
-            std::fs::copy(dir.join("tokenizer.json"), &tok_path)
-                .map_err(|e| TrainError::Data(format!("{}: {e}", dir.join("tokenizer.json").display())))?;
+            std::fs::copy(dir.join("tokenizer.json"), &tok_path).map_err(|e| {
+                TrainError::Data(format!("{}: {e}", dir.join("tokenizer.json").display()))
+            })?;
             tokenizers::Tokenizer::from_file(&tok_path)
                 .map_err(|e| TrainError::Data(format!("{}: {e}", tok_path.display())))?
         }
