@@ -375,9 +375,8 @@ pub fn run_pretrain(
     let profile_json = serde_json::to_string_pretty(&profile).unwrap_or_default();
     std::fs::write(fin.join("envace.json"), profile_json)
         .map_err(|e| TrainError::Data(e.to_string()))?;
-    for f in ["optimizer.safetensors"] {
-        let _ = std::fs::remove_file(fin.join(f));
-    }
+    // The shipped model needs no optimizer state.
+    let _ = std::fs::remove_file(fin.join("optimizer.safetensors"));
     let summary = json!({
         "kind": "pretrain",
         "config": cfg,
