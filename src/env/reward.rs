@@ -144,7 +144,12 @@ pub fn score_task(task: &Task, trace: &EpisodeTrace) -> Result<Score, EnvError> 
         .filter(|c| c.passed)
         .map(|c| c.weight)
         .sum();
-    let partial = if total > 0.0 { got / total } else { 0.0 };
+    // `sum` of nothing is -0.0 for floats: keep an empty score a plain 0.
+    let partial = if total > 0.0 && got > 0.0 {
+        got / total
+    } else {
+        0.0
+    };
     let success = trace.finished_normally && state_ok && missing.is_empty();
     Ok(Score {
         reward: if success { 1.0 } else { 0.0 },

@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{DType, Device};
 use serde_json::Value;
@@ -79,7 +78,7 @@ impl LocalModel {
         let dtype = dtype.unwrap_or_else(|| default_dtype(device));
         let decoder = load_hf(&files, dtype, device, None)?;
         let tokenizer = Tokenizer::from_file(&files.tokenizer)?;
-        let (template, tc) = match &files.tokenizer_config {
+        let template = match &files.tokenizer_config {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|e| RuntimeError::File {
                     path: p.display().to_string(),
@@ -89,7 +88,7 @@ impl LocalModel {
                     path: p.display().to_string(),
                     message: format!("invalid JSON: {e}"),
                 })?;
-                let t = match from_tokenizer_config(&v) {
+                match from_tokenizer_config(&v) {
                     Some((src, bos, eos)) => {
                         ChatTemplate::new(&src, &bos, &eos).map_err(|e| RuntimeError::Field {
                             path: p.display().to_string(),
@@ -98,17 +97,13 @@ impl LocalModel {
                         })?
                     }
                     None => ChatTemplate::chatml(),
-                };
-                (t, Some(v))
+                }
             }
-            None => (ChatTemplate::chatml(), None),
+            None => ChatTemplate::chatml(),
         };
         let mut eos_ids = decoder.cfg.eos_token_ids.clone();
-        if let Some(v) = &tc {
-            let eos = template.eos_token.clone();
-            add_eos(&mut eos_ids, &tokenizer, &eos);
-            let _ = v;
-        }
+        let eos = template.eos_token.clone();
+        add_eos(&mut eos_ids, &tokenizer, &eos);
         let mut weights = files.weights.clone();
         weights.push(files.config.clone());
         let hash = hash_files(&weights)?;
@@ -154,7 +149,6 @@ impl LocalModel {
         };
         let eos_ids = decoder.cfg.eos_token_ids.clone();
         let hash = hash_files(&[path.to_path_buf()])?;
-        let _: &gguf_file::Content = &ct;
         Self::finish(decoder, tokenizer, template, eos_ids, path, hash, path)
     }
 

@@ -80,6 +80,11 @@ pub fn save(
         write_json("tokenizer_config.json", &tokenizer_config_json())?;
     }
     std::fs::copy(tokenizer_json, tmp.join("tokenizer.json")).map_err(|e| io(tokenizer_json, e))?;
+    // The prompt profile the model was trained with travels with every checkpoint.
+    let profile = tokenizer_json.with_file_name("envace.json");
+    if profile.is_file() {
+        std::fs::copy(&profile, tmp.join("envace.json")).map_err(|e| io(&profile, e))?;
+    }
     let cpu: HashMap<String, Tensor> = weights
         .iter()
         .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
@@ -112,6 +117,24 @@ pub fn save(
         std::fs::rename(&tmp, dir).map_err(|e| io(dir, e))?;
     }
     Ok(())
+}
+
+/// Save a trainer's model and optimizer with `state` (what SFT and GRPO both write).
+pub fn save_trainer(
+    dir: &Path,
+    model: &super::model::TrainableModel,
+    opt: &super::optim::AdamW,
+    tokenizer_json: &Path,
+    state: &TrainerState,
+) -> Result<(), CheckpointError> {
+    save(
+        dir,
+        &model.decoder.cfg,
+        &model.weights(),
+        tokenizer_json,
+        Some(&opt.state_tensors()),
+        state,
+    )
 }
 
 /// A checkpoint read back for resuming.

@@ -5,7 +5,7 @@
 //! generated tokens only, optional KL to the starting policy and entropy bonus. `--mode real` is
 //! the actor-only baseline against the real environment.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{D, Tensor};
@@ -504,7 +504,6 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                 &tok_json,
                 &dir.join(format!("checkpoint-{step}")),
                 step,
-                model_dir,
             )?;
         }
         if step > cfg.collapse_patience
@@ -525,15 +524,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         }
     }
     if let Some(dir) = out {
-        save(
-            model,
-            &opt,
-            cfg,
-            &tok_json,
-            &dir.join("final"),
-            step,
-            model_dir,
-        )?;
+        save(model, &opt, cfg, &tok_json, &dir.join("final"), step)?;
     }
     Ok(GrpoReport {
         steps: step,
@@ -588,7 +579,6 @@ fn save(
     tokenizer_json: &Path,
     dir: &Path,
     step: usize,
-    model_dir: &Path,
 ) -> Result<(), TrainError> {
     let state = TrainerState {
         kind: "grpo".into(),
@@ -599,19 +589,7 @@ fn save(
         config: serde_json::to_value(cfg).unwrap_or_default(),
         metrics: serde_json::Value::Null,
     };
-    checkpoint::save(
-        dir,
-        &model.decoder.cfg,
-        &model.weights(),
-        tokenizer_json,
-        Some(&opt.state_tensors()),
-        &state,
-    )?;
-    let profile: PathBuf = model_dir.join("envace.json");
-    if profile.is_file() {
-        std::fs::copy(&profile, dir.join("envace.json"))
-            .map_err(|e| TrainError::Data(format!("{}: {e}", profile.display())))?;
-    }
+    checkpoint::save_trainer(dir, model, opt, tokenizer_json, &state)?;
     Ok(())
 }
 

@@ -220,13 +220,6 @@ fn save(
         config: serde_json::to_value(cfg).unwrap_or_default(),
         metrics: serde_json::Value::Null,
     };
-    checkpoint::save(
-        dir,
-        &model.decoder.cfg,
-        &model.weights(),
-        tokenizer_json,
-        Some(&opt.state_tensors()),
-        &state,
-    )?;
+    checkpoint::save_trainer(dir, model, opt, tokenizer_json, &state)?;
     Ok(())
 }
