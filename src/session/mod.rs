@@ -2,14 +2,18 @@
 //! format), written one flushed line per event ([`SessionWriter`]), read back tolerantly
 //! ([`read_session`]: a truncated last line is a warning), rebuilt into the episode tree with its
 //! rehearsal branches ([`SessionTree`]), replayed as text and exported to OpenAI chat JSONL.
+//! For a sessions browser: one-line summaries streamed from large files ([`index`]) and
+//! progressive loading with progress and cancellation ([`read_session_with_progress`]).
 //!
 //! This module does no scoring and runs no model; it depends only on the engine's plain data
 //! types (parse results, fidelity, end reasons), never on the FSM or the driver.
 
 pub mod export;
+pub mod index;
 pub mod reader;
 pub mod rows;
 pub mod schema;
+pub mod synth;
 pub mod tree;
 pub mod writer;
 
@@ -21,11 +25,15 @@ use std::path::PathBuf;
 pub use export::{
     ExportOptions, export_openai, openai_message, openai_records, render_replay, replay_text,
 };
-pub use reader::{ReadWarning, Session, parse_session, read_session, strip_timestamps};
+pub use index::{SessionSummary, SortKey, filter, scan_dir, sort, summarize};
+pub use reader::{
+    PROGRESS_STEP, ReadWarning, Session, parse_session, read_session, read_session_with_progress,
+    strip_timestamps,
+};
 pub use rows::{TrainingRow, training_rows};
 pub use schema::{
-    EventBody, EventRecord, FORMAT_VERSION, GenerationRecord, ModelRef, NewEvent, SESSION_FORMAT,
-    SessionHeader,
+    EventBody, EventRecord, FORMAT_VERSION, ForkOrigin, GenerationRecord, ModelRef, NewEvent,
+    SESSION_FORMAT, SessionHeader,
 };
 pub use tree::{BranchRef, BranchView, SessionTree};
 pub use writer::{EventSink, MemorySink, SessionWriter};
@@ -59,6 +67,8 @@ pub enum SessionError {
     Json(#[from] serde_json::Error),
     #[error("no data directory for sessions on this system; pass an explicit path")]
     NoDataDir,
+    #[error("{path}: reading cancelled")]
+    Cancelled { path: String },
 }
 
 /// The default sessions directory: `<data dir>/sessions` of `ProjectDirs("dev","envace","envace")`.

@@ -1,15 +1,19 @@
 //! Tolerant session reader. A truncated last line (the writer was killed mid-line) is a
 //! warning, not a failure; a corrupt line anywhere else is an error naming its line number.
 //! Validation: a known header, strictly increasing `seq`, unique `id`s, and every `parent`
-//! naming an earlier event.
+//! naming an earlier event. One streaming implementation serves whole files, byte slices and
+//! progressive loading with progress reports and cancellation (large sessions behind a UI).
 
 use std::collections::HashSet;
+use std::fs::File;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use super::SessionError;
 use super::schema::{EventRecord, FORMAT_VERSION, SESSION_FORMAT, SessionHeader};
+use crate::runtime::CancelToken;
 
 /// Something odd but recoverable found while reading.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,121 +54,229 @@ impl Session {
     }
 }
 
+/// How often (in bytes read) [`read_session_with_progress`] reports progress.
+pub const PROGRESS_STEP: u64 = 1 << 20;
+
 /// Read and validate a session file.
 pub fn read_session(path: impl AsRef<Path>) -> Result<Session, SessionError> {
+    read_session_with_progress(path, &mut |_, _| {}, &CancelToken::new())
+}
+
+/// [`read_session`] for large files behind a UI: the same validation, warnings and errors, read
+/// incrementally; `progress(bytes_done, bytes_total)` is called about every [`PROGRESS_STEP`]
+/// bytes and once at the end (with `bytes_done == bytes_total` for a file that did not change
+/// while being read); `cancel` is checked before every line and stops the read with
+/// [`SessionError::Cancelled`].
+pub fn read_session_with_progress(
+    path: impl AsRef<Path>,
+    progress: &mut dyn FnMut(u64, u64),
+    cancel: &CancelToken,
+) -> Result<Session, SessionError> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| SessionError::Io {
-        path: path.display().to_string(),
+    let origin = path.display().to_string();
+    let io = |source| SessionError::Io {
+        path: origin.clone(),
         source,
-    })?;
-    parse_session(&bytes, &path.display().to_string())
+    };
+    let file = File::open(path).map_err(io)?;
+    let total = file.metadata().map_err(io)?.len();
+    let reader = BufReader::with_capacity(256 * 1024, file);
+    read_lines(reader, &origin, total, progress, Some(cancel))
 }
 
 /// Parse session bytes (`origin` names the source in errors). Total: never panics.
 pub fn parse_session(bytes: &[u8], origin: &str) -> Result<Session, SessionError> {
-    let mut warnings = Vec::new();
-    let ends_with_newline = bytes.last() == Some(&b'\n');
-    let mut lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
-    if ends_with_newline {
-        lines.pop();
-    }
-    let count = lines.len();
-    if count == 0 || bytes.is_empty() {
-        return Err(SessionError::Empty {
-            path: origin.to_string(),
-        });
-    }
-    let corrupt = |line: usize, message: String| SessionError::Corrupt {
-        path: origin.to_string(),
-        line,
-        message,
-    };
+    read_lines(bytes, origin, bytes.len() as u64, &mut |_, _| {}, None)
+}
 
-    // Header.
-    let header_text = std::str::from_utf8(lines[0]).map_err(|e| corrupt(1, e.to_string()));
-    let header: SessionHeader = match header_text
-        .and_then(|t| serde_json::from_str(t).map_err(|e| corrupt(1, e.to_string())))
-    {
-        Ok(h) => h,
-        Err(e) => {
-            if count == 1 && !ends_with_newline {
-                return Err(SessionError::TruncatedHeader {
-                    path: origin.to_string(),
-                });
-            }
-            return Err(e);
+/// The one reading loop behind [`read_session`], [`read_session_with_progress`] and
+/// [`parse_session`]: splits on `\n` (a line without one can only be the last) and feeds
+/// each line to the [`Validator`].
+fn read_lines(
+    mut reader: impl BufRead,
+    origin: &str,
+    total: u64,
+    progress: &mut dyn FnMut(u64, u64),
+    cancel: Option<&CancelToken>,
+) -> Result<Session, SessionError> {
+    let mut v = Validator::new(origin);
+    let mut buf: Vec<u8> = Vec::new();
+    let (mut done, mut reported) = (0u64, 0u64);
+    loop {
+        if cancel.is_some_and(CancelToken::is_cancelled) {
+            return Err(SessionError::Cancelled {
+                path: origin.to_string(),
+            });
         }
-    };
-    if header.format != SESSION_FORMAT {
-        return Err(corrupt(
-            1,
-            format!("format is `{}`, expected `{SESSION_FORMAT}`", header.format),
-        ));
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|source| SessionError::Io {
+                path: origin.to_string(),
+                source,
+            })?;
+        if n == 0 {
+            break;
+        }
+        done += n as u64;
+        let terminated = buf.last() == Some(&b'\n');
+        let raw = if terminated {
+            &buf[..buf.len() - 1]
+        } else {
+            &buf[..]
+        };
+        if !v.push(raw, terminated)? {
+            break;
+        }
+        if done - reported >= PROGRESS_STEP {
+            progress(done, total.max(done));
+            reported = done;
+        }
     }
-    if header.format_version > FORMAT_VERSION {
-        return Err(corrupt(
-            1,
-            format!(
-                "format version {} is newer than this envace reads ({FORMAT_VERSION})",
-                header.format_version
-            ),
-        ));
+    let session = v.finish()?;
+    progress(done, total.max(done));
+    Ok(session)
+}
+
+/// Line-by-line validation: a known header, strictly increasing `seq`, unique `id`s, parents
+/// that name earlier events; a bad line is an error naming its number, except an unparseable
+/// last line without a final newline (a truncated write), which is a warning.
+struct Validator<'o> {
+    origin: &'o str,
+    line: usize,
+    header: Option<SessionHeader>,
+    events: Vec<EventRecord>,
+    ids: HashSet<String>,
+    last_seq: Option<u64>,
+    warnings: Vec<ReadWarning>,
+}
+
+impl<'o> Validator<'o> {
+    fn new(origin: &'o str) -> Self {
+        Self {
+            origin,
+            line: 0,
+            header: None,
+            events: Vec::new(),
+            ids: HashSet::new(),
+            last_seq: None,
+            warnings: Vec::new(),
+        }
     }
 
-    let mut events: Vec<EventRecord> = Vec::with_capacity(count.saturating_sub(1));
-    let mut ids: HashSet<String> = HashSet::new();
-    let mut last_seq: Option<u64> = None;
-    for (i, raw) in lines.iter().enumerate().skip(1) {
-        let line_no = i + 1;
-        let is_last = i + 1 == count;
+    fn corrupt(&self, message: String) -> SessionError {
+        SessionError::Corrupt {
+            path: self.origin.to_string(),
+            line: self.line,
+            message,
+        }
+    }
+
+    fn invalid(&self, message: String) -> SessionError {
+        SessionError::Invalid {
+            path: self.origin.to_string(),
+            line: self.line,
+            message,
+        }
+    }
+
+    /// Take one line (without its `\n`; `terminated` = it had one). `Ok(false)`: stop reading
+    /// (a truncated last line was dropped).
+    fn push(&mut self, raw: &[u8], terminated: bool) -> Result<bool, SessionError> {
+        self.line += 1;
+        if self.header.is_none() {
+            self.push_header(raw, terminated)?;
+            return Ok(true);
+        }
         let parsed = std::str::from_utf8(raw)
             .map_err(|e| e.to_string())
             .and_then(|t| serde_json::from_str::<EventRecord>(t).map_err(|e| e.to_string()));
         let record = match parsed {
             Ok(r) => r,
             Err(message) => {
-                if is_last && !ends_with_newline {
-                    warnings.push(ReadWarning::TruncatedLastLine {
-                        line: line_no,
+                if !terminated {
+                    self.warnings.push(ReadWarning::TruncatedLastLine {
+                        line: self.line,
                         bytes: raw.len(),
                     });
-                    break;
+                    return Ok(false);
                 }
-                return Err(corrupt(line_no, message));
+                return Err(self.corrupt(message));
             }
         };
-        if is_last && !ends_with_newline {
-            warnings.push(ReadWarning::MissingFinalNewline { line: line_no });
+        if !terminated {
+            self.warnings
+                .push(ReadWarning::MissingFinalNewline { line: self.line });
         }
-        let invalid = |message: String| SessionError::Invalid {
-            path: origin.to_string(),
-            line: line_no,
-            message,
-        };
-        if let Some(prev) = last_seq
+        if let Some(prev) = self.last_seq
             && record.seq <= prev
         {
-            return Err(invalid(format!(
+            return Err(self.invalid(format!(
                 "seq {} does not increase (previous {prev})",
                 record.seq
             )));
         }
         if let Some(p) = &record.parent
-            && !ids.contains(p)
+            && !self.ids.contains(p)
         {
-            return Err(invalid(format!("parent `{p}` is not an earlier event")));
+            return Err(self.invalid(format!("parent `{p}` is not an earlier event")));
         }
-        if !ids.insert(record.id.clone()) {
-            return Err(invalid(format!("duplicate id `{}`", record.id)));
+        if !self.ids.insert(record.id.clone()) {
+            return Err(self.invalid(format!("duplicate id `{}`", record.id)));
         }
-        last_seq = Some(record.seq);
-        events.push(record);
+        self.last_seq = Some(record.seq);
+        self.events.push(record);
+        Ok(true)
     }
-    Ok(Session {
-        header,
-        events,
-        warnings,
-    })
+
+    fn push_header(&mut self, raw: &[u8], terminated: bool) -> Result<(), SessionError> {
+        let parsed = std::str::from_utf8(raw)
+            .map_err(|e| self.corrupt(e.to_string()))
+            .and_then(|t| serde_json::from_str(t).map_err(|e| self.corrupt(e.to_string())));
+        let header: SessionHeader = match parsed {
+            Ok(h) => h,
+            // Without a newline the header is the only line: the writer stopped mid-header.
+            Err(_) if !terminated => {
+                return Err(SessionError::TruncatedHeader {
+                    path: self.origin.to_string(),
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        check_header(&header).map_err(|m| self.corrupt(m))?;
+        self.header = Some(header);
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Session, SessionError> {
+        match self.header {
+            None => Err(SessionError::Empty {
+                path: self.origin.to_string(),
+            }),
+            Some(header) => Ok(Session {
+                header,
+                events: self.events,
+                warnings: self.warnings,
+            }),
+        }
+    }
+}
+
+/// A header this envace can read: the right format, a version not newer than ours.
+pub(crate) fn check_header(header: &SessionHeader) -> Result<(), String> {
+    if header.format != SESSION_FORMAT {
+        return Err(format!(
+            "format is `{}`, expected `{SESSION_FORMAT}`",
+            header.format
+        ));
+    }
+    if header.format_version > FORMAT_VERSION {
+        return Err(format!(
+            "format version {} is newer than this envace reads ({FORMAT_VERSION})",
+            header.format_version
+        ));
+    }
+    Ok(())
 }
 
 /// Remove the volatile `ts` field from every line of a session file's text, so two recordings
@@ -183,3 +295,6 @@ pub fn strip_timestamps(text: &str) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

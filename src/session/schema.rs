@@ -41,6 +41,22 @@ impl From<&crate::runtime::ModelInfo> for ModelRef {
     }
 }
 
+/// Where a forked session came from: the original session and the main-line event the fork
+/// continues after.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkOrigin {
+    /// The original session: its file name when the fork lies beside it, else its path.
+    pub session: String,
+    /// The event the fork point was chosen at, and its `seq`, in the original session.
+    pub event_id: String,
+    pub seq: u64,
+    /// Whether a message of the history was edited before re-running.
+    pub edited: bool,
+    /// The edited message's event id in the original session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edited_event: Option<String>,
+}
+
 /// The first line of a session file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionHeader {
@@ -57,6 +73,10 @@ pub struct SessionHeader {
     pub mode: String,
     /// The engine configuration, as JSON.
     pub config: Value,
+    /// Set when this session was forked from another one (a counterfactual re-run); absent in
+    /// ordinary sessions and in files written before forks existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkOrigin>,
     /// Creation time (volatile; stripped for comparisons).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ts: Option<String>,
@@ -82,6 +102,7 @@ impl SessionHeader {
             task_id,
             mode: config.mode.name().to_string(),
             config: serde_json::to_value(config).unwrap_or(Value::Null),
+            forked_from: None,
             ts: None,
         }
     }
