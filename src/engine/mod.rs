@@ -9,6 +9,8 @@
 //! - [`prompts`]: actor prompt, per-call simulator prompt, rehearsal memory.
 //! - [`eval`]: the `envace eval` summary over episode outcomes.
 //! - [`fidelity`]: simulated-vs-real response metrics (shadow mode).
+//! - [`fork`]: counterfactual re-runs: continue a saved session from one of its main-line
+//!   events, optionally after editing a tool result or an actor message.
 //! - [`types`]: episode spec, configuration, and the data the engine reports.
 //!
 //! Data flows one way: runtime ← engine → env; engine → session.
@@ -16,6 +18,7 @@
 pub mod driver;
 pub mod eval;
 pub mod fidelity;
+pub mod fork;
 pub mod fsm;
 pub mod parse;
 pub mod profile;
@@ -29,9 +32,11 @@ pub use driver::{
     SharedModel, share_model,
 };
 pub use eval::EvalSummary;
+pub use fork::{ForkEdit, ForkError, ForkRequest, ForkSpec, fork_path, fork_spec, run_fork};
 pub use fsm::{
     ApprovalRequest, Effect, Engine, EngineError, EpisodeOutcome, EpisodeStats, Event,
-    GenerateRequest, RealCallPermit, RehearsalVerdict, RequestId,
+    GenerateRequest, PlayedCall, REJECTED_BY_USER, RealCallPermit, RehearsalVerdict, RequestId,
+    check_history, played_calls,
 };
 pub use types::{
     ApprovalGate, BranchEnd, BranchStep, BranchSummary, Decision, EndReason, EngineConfig,

@@ -12,7 +12,7 @@ use crate::engine::driver::{
     ApprovalHook, ApprovalPolicy, Driver, DriverError, DriverEvent, EnvAccess, SharedModel,
 };
 use crate::engine::eval::EvalSummary;
-use crate::engine::fsm::{Engine, EngineError, EpisodeOutcome};
+use crate::engine::fsm::{Engine, EngineError, EpisodeOutcome, played_calls};
 use crate::engine::profile::PromptProfile;
 use crate::engine::spec::task_spec;
 use crate::engine::types::{
@@ -23,6 +23,7 @@ use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
 use crate::env::tasks::{Split, Task, list_tasks};
 use crate::env::{EnvError, Environment};
+use crate::message::Message;
 use crate::runtime::CancelToken;
 use crate::session::schema::{ModelRef, SessionHeader};
 use crate::session::{EventSink, SessionError, SessionWriter};
@@ -79,6 +80,13 @@ pub enum RunError {
     Driver(#[from] DriverError),
     #[error(transparent)]
     Session(#[from] SessionError),
+    #[error(transparent)]
+    Fork(#[from] crate::engine::fork::ForkError),
+    #[error(
+        "a played history cannot be replayed on an external environment (its calls would run \
+         again for real); start from a built-in domain"
+    )]
+    HistoryOnExternal,
 }
 
 /// The engine configuration for `opts` and a model's profile.
@@ -140,16 +148,53 @@ pub async fn run_episode(
     ui: Option<UnboundedSender<DriverEvent>>,
     cancel: CancelToken,
 ) -> Result<EpisodeOutcome, RunError> {
+    run_episode_from(
+        model,
+        spec,
+        Vec::new(),
+        cfg,
+        env,
+        task_id,
+        approver,
+        sink,
+        ui,
+        cancel,
+    )
+    .await
+}
+
+/// Run one episode of `spec` starting after a played `history` (a fork; see
+/// [`Engine::with_history`]). In real and shadow mode the live environment is reset and then
+/// brought to the state after the history by replaying its played calls
+/// ([`replay_history`]); rehearse mode needs nothing (the verifier replays the whole trace,
+/// history included). An external environment with a history is refused in live modes: its
+/// calls would run again for real.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_episode_from(
+    model: &SharedModel,
+    spec: EpisodeSpec,
+    history: Vec<Message>,
+    cfg: EngineConfig,
+    env: EpisodeEnv<'_>,
+    task_id: Option<String>,
+    approver: &mut dyn ApprovalHook,
+    sink: &mut dyn EventSink,
+    ui: Option<UnboundedSender<DriverEvent>>,
+    cancel: CancelToken,
+) -> Result<EpisodeOutcome, RunError> {
     let rehearse = matches!(cfg.mode, Mode::Rehearse);
-    let mut engine = Engine::new(spec, cfg)?;
+    let played = !played_calls(&history).is_empty();
+    let mut engine = Engine::new(spec, cfg)?.with_history(history.clone())?;
     let access = match (rehearse, env) {
         (true, EpisodeEnv::Domain(env)) => EnvAccess::VerifyAfter {
             verifier: env,
             task_id,
         },
         (true, EpisodeEnv::External(_)) => EnvAccess::Unscored,
+        (false, EpisodeEnv::External(_)) if played => return Err(RunError::HistoryOnExternal),
         (false, EpisodeEnv::Domain(env) | EpisodeEnv::External(env)) => {
             env.reset(task_id.as_deref()).await?;
+            replay_history(env, &history).await?;
             EnvAccess::Live(env)
         }
     };
@@ -162,6 +207,20 @@ pub async fn run_episode(
         cancel,
     };
     Ok(driver.run(&mut engine).await?)
+}
+
+/// Run a history's played calls ([`played_calls`]) on `env`, in order, discarding their
+/// responses: the environment reaches the state the history left it in, while the conversation
+/// keeps its own (possibly edited) tool messages. Returns the number of calls replayed.
+pub async fn replay_history(
+    env: &mut dyn Environment,
+    history: &[Message],
+) -> Result<usize, EnvError> {
+    let calls = played_calls(history);
+    for p in &calls {
+        env.call(&p.call).await?;
+    }
+    Ok(calls.len())
 }
 
 /// The session header of a run.

@@ -1297,3 +1297,328 @@ fn request_seeds_are_distinct_and_reproducible() {
     unique.dedup();
     assert_eq!(unique.len(), seeds.len());
 }
+
+// ---- starting from a played history (forks) ----------------------------------------------
+
+fn calls_msg(calls: &[(&str, &str, Value)]) -> Message {
+    Message {
+        tool_calls: calls
+            .iter()
+            .map(|(id, name, args)| crate::message::MessageToolCall {
+                id: id.to_string(),
+                kind: "function".into(),
+                function: ToolCall {
+                    name: name.to_string(),
+                    arguments: args.clone(),
+                },
+            })
+            .collect(),
+        ..Message::assistant("")
+    }
+}
+
+fn tool_msg(id: &str, name: &str, v: Value) -> Message {
+    Message::tool(id, name, v.to_string())
+}
+
+fn run_from(
+    spec: EpisodeSpec,
+    cfg: EngineConfig,
+    history: Vec<Message>,
+    mut script: Script,
+) -> Run {
+    let mut e = Engine::new(spec, cfg)
+        .expect("engine")
+        .with_history(history)
+        .expect("history");
+    let r = drive(&mut e, &mut script);
+    assert!(e.is_done(), "engine should be done, is {}", e.state_name());
+    r
+}
+
+fn persisted_messages(r: &Run) -> Vec<Message> {
+    r.events
+        .iter()
+        .filter_map(|e| match &e.event {
+            EventBody::Message { message } => Some(message.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn empty_history_starts_like_an_ordinary_episode() {
+    let script =
+        || Script::default().actor(&[&call_text("get_balance", json!({"id": "a"})), "Done."]);
+    let a = run(spec(&["hi"]), cfg(real()), script());
+    let b = run_from(spec(&["hi"]), cfg(real()), vec![], script());
+    assert_eq!(a.events, b.events);
+    assert_eq!(a.effects, b.effects);
+}
+
+#[test]
+fn history_is_persisted_after_the_initial_conversation_and_its_calls_enter_the_trace() {
+    let history = vec![
+        calls_msg(&[("call_0", "get_balance", json!({"id": "a"}))]),
+        tool_msg("call_0", "get_balance", json!({"balance": 7})),
+        calls_msg(&[("call_3", "transfer", json!({"amount": 5}))]),
+        tool_msg(
+            "call_3",
+            "transfer",
+            json!({"error": {"code": REJECTED_BY_USER, "message": "no"}}),
+        ),
+    ];
+    let r = run_from(
+        spec(&["hi"]),
+        cfg(real()),
+        history.clone(),
+        Script::default().actor(&[&call_text("get_balance", json!({"id": "b"})), "Done."]),
+    );
+    assert_eq!(
+        &r.kinds()[..7],
+        [
+            "episode_start",
+            "message",
+            "message",
+            "message",
+            "message",
+            "message",
+            "message"
+        ]
+    );
+    let msgs = persisted_messages(&r);
+    assert_eq!(&msgs[2..6], &history[..]);
+    // The actor's first prompt is the whole history.
+    assert_eq!(r.generates(GenRole::Actor)[0].messages[2..], history[..]);
+    // Played calls (not the rejected one) and the new call, in order.
+    let actions: Vec<&Value> = r
+        .outcome()
+        .trace
+        .actions
+        .iter()
+        .map(|c| &c.arguments)
+        .collect();
+    assert_eq!(actions, [&json!({"id": "a"}), &json!({"id": "b"})]);
+    assert_eq!(r.outcome().trace.agent_messages, ["Done."]);
+    // New call ids continue after the history's.
+    let new_call = msgs
+        .iter()
+        .rev()
+        .find(|m| !m.tool_calls.is_empty())
+        .expect("call");
+    assert_eq!(new_call.tool_calls[0].id, "call_4");
+    // Only what this engine generated is counted.
+    assert_eq!(r.outcome().stats.actor_turns, 2);
+    assert_eq!(r.outcome().stats.real_calls, 1);
+    assert_eq!(played_calls(&history).len(), 1);
+}
+
+#[test]
+fn history_turns_count_toward_the_turn_limit() {
+    let history = vec![
+        calls_msg(&[("call_0", "get_balance", json!({"id": "a"}))]),
+        tool_msg("call_0", "get_balance", json!({"balance": 7})),
+        calls_msg(&[("call_1", "get_balance", json!({"id": "b"}))]),
+        tool_msg("call_1", "get_balance", json!({"balance": 8})),
+    ];
+    let mut c = cfg(real());
+    c.max_turns = 3;
+    let r = run_from(
+        spec(&["hi"]),
+        c.clone(),
+        history.clone(),
+        Script::default().actor(&[&call_text("get_balance", json!({"id": "c"}))]),
+    );
+    assert_eq!(r.generates(GenRole::Actor).len(), 1);
+    assert_eq!(r.outcome().end, EndReason::TurnLimit);
+    assert_eq!(r.outcome().trace.actions.len(), 3);
+    // With the limit already reached, the actor is not asked at all.
+    c.max_turns = 2;
+    let r = run_from(spec(&["hi"]), c, history, Script::default());
+    assert!(r.generates(GenRole::Actor).is_empty());
+    assert_eq!(r.outcome().end, EndReason::TurnLimit);
+}
+
+#[test]
+fn history_consumes_user_turns_and_the_next_scripted_turn_follows() {
+    let history = vec![Message::assistant("A1"), Message::user("two")];
+    let r = run_from(
+        spec(&["one", "two", "three"]),
+        cfg(real()),
+        history,
+        Script::default().actor(&["A2", "A3"]),
+    );
+    let texts: Vec<String> = persisted_messages(&r)
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
+    assert_eq!(
+        texts,
+        [
+            "Policy: be careful.",
+            "one",
+            "A1",
+            "two",
+            "A2",
+            "three",
+            "A3"
+        ]
+    );
+    assert_eq!(r.outcome().end, EndReason::Answered);
+    assert_eq!(r.outcome().trace.agent_messages, ["A1", "A2", "A3"]);
+}
+
+#[test]
+fn history_ending_in_a_final_answer_sends_the_next_user_turn_or_ends() {
+    let r = run_from(
+        spec(&["one"]),
+        cfg(real()),
+        vec![Message::assistant("All done.")],
+        Script {
+            reward: 1.0,
+            ..Script::default()
+        },
+    );
+    assert!(r.generates(GenRole::Actor).is_empty());
+    assert_eq!(r.outcome().end, EndReason::Answered);
+    assert_eq!(r.outcome().reward(), 1.0);
+    assert_eq!(r.outcome().trace.agent_messages, ["All done."]);
+
+    let r = run_from(
+        spec(&["one", "two"]),
+        cfg(real()),
+        vec![Message::assistant("A1")],
+        Script::default().actor(&["A2"]),
+    );
+    let first = &r.generates(GenRole::Actor)[0].messages;
+    assert_eq!(first.last(), Some(&Message::user("two")));
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+#[test]
+fn pending_calls_of_the_history_run_before_the_actor_is_asked() {
+    let history = vec![
+        calls_msg(&[
+            ("call_0", "get_balance", json!({"id": "a"})),
+            ("call_1", "transfer", json!({"amount": 5})),
+        ]),
+        tool_msg("call_0", "get_balance", json!({"balance": 7})),
+    ];
+    let r = run_from(
+        spec(&["hi"]),
+        cfg(real()),
+        history,
+        Script::default().actor(&["Sent."]),
+    );
+    // The unanswered transfer passes the approval gate and runs, then the actor answers.
+    let first_acts: Vec<&str> = r
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Generate(_) => Some("generate"),
+            Effect::AskApproval(_) => Some("approval"),
+            Effect::ExecuteReal { .. } => Some("real"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(first_acts, ["approval", "real", "generate"]);
+    assert_eq!(r.real_calls()[0].name, "transfer");
+    assert_eq!(r.outcome().trace.actions.len(), 2);
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+#[test]
+fn rehearse_mode_scores_the_history_calls_with_the_verifier() {
+    let history = vec![
+        calls_msg(&[("call_0", "transfer", json!({"amount": 5}))]),
+        tool_msg("call_0", "transfer", json!({"ok": true})),
+    ];
+    let r = run_from(
+        spec(&["hi"]),
+        cfg(Mode::Rehearse),
+        history,
+        Script::default().actor(&["Sent."]),
+    );
+    let trace = r
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Score { trace, by, .. } => Some((trace.clone(), *by)),
+            _ => None,
+        })
+        .expect("scored");
+    assert_eq!(trace.1, ScoredBy::Verifier);
+    assert_eq!(trace.0.actions.len(), 1);
+    assert!(r.generates(GenRole::Simulator).is_empty());
+}
+
+#[test]
+fn live_modes_learn_simulator_examples_from_the_history() {
+    let history = vec![
+        calls_msg(&[("call_0", "get_balance", json!({"id": "a"}))]),
+        tool_msg("call_0", "get_balance", json!({"balance": 7})),
+    ];
+    for (mode, learned) in [(shadow(), 1), (Mode::Rehearse, 0)] {
+        let mut e = Engine::new(spec(&["hi"]), cfg(mode))
+            .expect("engine")
+            .with_history(history.clone())
+            .expect("history");
+        e.handle(Event::Start);
+        assert_eq!(e.examples.len(), learned);
+    }
+}
+
+#[test]
+fn histories_the_engine_could_not_have_played_are_refused() {
+    let bad = |h: Vec<Message>, turns: &[&str]| {
+        Engine::new(spec(turns), cfg(real()))
+            .expect("engine")
+            .with_history(h)
+            .err()
+    };
+    let index_of = |e: Option<EngineError>| match e {
+        Some(EngineError::BadHistory { index, .. }) => Some(index),
+        _ => None,
+    };
+    assert_eq!(index_of(bad(vec![Message::system("x")], &["hi"])), Some(0));
+    // A tool message for a call nobody made.
+    assert_eq!(
+        index_of(bad(
+            vec![tool_msg("call_9", "get_balance", json!({}))],
+            &["hi"]
+        )),
+        Some(0)
+    );
+    // A user message that does not follow a final answer.
+    assert_eq!(
+        index_of(bad(vec![Message::user("again")], &["hi", "again"])),
+        Some(0)
+    );
+    // More user messages than scripted turns.
+    assert_eq!(
+        index_of(bad(
+            vec![Message::assistant("a"), Message::user("b")],
+            &["hi"]
+        )),
+        Some(1)
+    );
+    // An assistant message while a call has no result.
+    assert_eq!(
+        index_of(bad(
+            vec![
+                calls_msg(&[("call_0", "get_balance", json!({}))]),
+                Message::assistant("x")
+            ],
+            &["hi"]
+        )),
+        Some(1)
+    );
+    // Pending calls at the very end are fine.
+    assert!(
+        bad(
+            vec![calls_msg(&[("call_0", "get_balance", json!({}))])],
+            &["hi"]
+        )
+        .is_none()
+    );
+}
