@@ -21,12 +21,14 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// The workbench TUI (also what `envace` with no arguments opens).
+    Tui(TuiArgs),
     /// Generate text with a local model (HF checkpoint directory or .gguf file).
     Generate(GenerateArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Headless demo of the bundled model (what `cargo run --release` shows until the TUI lands).
+    /// Headless demo of the bundled model: a held-out bank task in shadow mode with Private Rehearsal.
     Demo(DemoArgs),
     /// Train the bundled model from scratch on the built-in domains (tokenizer + SFT).
     Pretrain(PretrainArgs),
@@ -47,6 +49,63 @@ pub enum Command {
     Replay { file: PathBuf },
     /// Export a session (OpenAI chat JSONL).
     Export(ExportArgs),
+    /// List sessions (the TUI's Sessions tab, headless).
+    Sessions(SessionsArgs),
+    /// Re-run a saved session from one of its events, optionally after editing a tool result or
+    /// an actor message (the TUI debugger's fork, headless). Writes a new session beside it.
+    Fork(ForkArgs),
+    /// Step-aligned diff of two sessions (the TUI debugger's diff, headless).
+    Diff(DiffArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SessionsArgs {
+    /// Sessions directory (default: the user's data directory).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// date, env, task, mode, steps or reward.
+    #[arg(long, default_value = "date")]
+    pub sort: String,
+    /// Ascending order (default: descending).
+    #[arg(long)]
+    pub asc: bool,
+    /// Case-insensitive substring over environment, task, mode, model and file name.
+    #[arg(long, default_value = "")]
+    pub filter: String,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// The session to fork.
+    pub session: PathBuf,
+    /// Event id (e.g. `e12`) on the main line to fork at (`envace replay` and the debugger show ids).
+    #[arg(long)]
+    pub at: String,
+    /// Replace a tool result before re-running: EVENT_ID=CONTENT (CONTENT `@file` reads a file).
+    #[arg(long, conflicts_with = "edit_actor")]
+    pub edit_tool: Option<String>,
+    /// Replace an actor message before re-running: EVENT_ID=CONTENT.
+    #[arg(long)]
+    pub edit_actor: Option<String>,
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub model: PathBuf,
+    /// Output session (default: `<stem>.fork-N.jsonl` beside the original).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[command(flatten)]
+    pub mode: ModeArgs,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DiffArgs {
+    pub a: PathBuf,
+    pub b: PathBuf,
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Mode and rehearsal flags shared by `run` and `eval`.
@@ -307,4 +366,49 @@ pub struct TrainArgs {
     pub resume: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
+}
+
+/// `envace tui`.
+#[derive(Debug, Args, Clone)]
+pub struct TuiArgs {
+    /// Model directory (HF) or .gguf file.
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub model: PathBuf,
+    /// Built-in domain selected in the Run tab (bank, retail, travel).
+    #[arg(long)]
+    pub env: Option<String>,
+    #[command(flatten)]
+    pub mcp: envace::env::cli::McpArgs,
+    /// Open this session in the debugger at start.
+    #[arg(long)]
+    pub session: Option<PathBuf>,
+    /// Sessions directory (default: the user's data directory).
+    #[arg(long)]
+    pub sessions_dir: Option<PathBuf>,
+    /// Theme name (dark, light, high-contrast, or one from <config>/themes).
+    #[arg(long)]
+    pub theme: Option<String>,
+    /// auto, cpu, cuda or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: envace::runtime::DeviceChoice,
+}
+
+impl Default for TuiArgs {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::from("models/envace-tiny"),
+            env: None,
+            mcp: envace::env::cli::McpArgs {
+                mcp: None,
+                mcp_url: None,
+                mcp_env: Vec::new(),
+                mcp_cwd: None,
+                timeout: 30.0,
+            },
+            session: None,
+            sessions_dir: None,
+            theme: None,
+            device: envace::runtime::DeviceChoice::default(),
+        }
+    }
 }

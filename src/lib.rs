@@ -7,3 +7,4 @@ pub mod message;
 pub mod runtime;
 pub mod session;
 pub mod train;
+pub mod tui;

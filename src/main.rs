@@ -17,7 +17,8 @@ use envace::runtime::{CancelToken, LanguageModel, LocalModel, SamplingParams};
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        None => demo(None),
+        None => tui(cli::TuiArgs::default()),
+        Some(Command::Tui(a)) => tui(a),
         Some(Command::Demo(a)) => demo(a.model),
         Some(Command::Generate(a)) => generate(a),
         Some(Command::Pretrain(a)) => pretrain(a),
@@ -35,6 +36,9 @@ fn main() -> Result<()> {
             Ok(())
         }
         Some(Command::Export(a)) => commands::export(a),
+        Some(Command::Sessions(a)) => commands::sessions(a),
+        Some(Command::Fork(a)) => tokio_runtime()?.block_on(commands::fork(a)),
+        Some(Command::Diff(a)) => commands::diff(a),
         Some(Command::Bench(BenchCommand::Generate(a))) => {
             let model = LocalModel::load(&a.model, a.device)
                 .with_context(|| format!("loading {}", a.model.display()))?;
@@ -47,6 +51,30 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn tui(a: cli::TuiArgs) -> Result<()> {
+    use std::io::IsTerminal;
+    anyhow::ensure!(
+        std::io::stdout().is_terminal(),
+        "the TUI needs a terminal; for scripts use the headless commands (`envace --help`)"
+    );
+    anyhow::ensure!(
+        a.model.exists(),
+        "model {} not found (run from the repository root, or pass --model)",
+        a.model.display()
+    );
+    let opts = envace::tui::TuiOptions {
+        mcp: a.mcp.config()?,
+        model: a.model,
+        env: a.env,
+        session: a.session,
+        sessions_dir: a.sessions_dir,
+        theme: a.theme,
+        device: a.device,
+    };
+    envace::tui::run(opts)?;
+    Ok(())
 }
 
 fn pretrain(a: cli::PretrainArgs) -> Result<()> {
@@ -159,7 +187,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The headless demo (`cargo run --release` until the TUI lands): the bundled model plays a
+/// The headless demo (`envace demo`): the bundled model plays a
 /// held-out bank task in shadow mode (the simulator predicts every call, the real environment
 /// answers) with Private Rehearsal before the irreversible call, and the session is replayed.
 fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
@@ -199,6 +227,5 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
     println!(
         "envace demo: the bundled model on a held-out bank task, shadow mode, Private Rehearsal N=2"
     );
-    println!("(the TUI is not built yet; see README.md for the commands)\n");
     tokio_runtime()?.block_on(commands::run(args))
 }

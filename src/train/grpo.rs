@@ -332,6 +332,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         let mut groups: Vec<Vec<Vec<TrainingRow>>> = Vec::new();
         let (mut reward_sum, mut n_eps, mut fmt_fail, mut actor_turns, mut sim_fail, mut sim_gens) =
             (0.0, 0usize, 0usize, 0usize, 0usize, 0usize);
+        let (mut fid_sum, mut fid_n) = (0.0f64, 0usize);
         for (ti, task) in step_tasks(&tasks, cfg.batch, cfg.seed, step)
             .into_iter()
             .enumerate()
@@ -379,6 +380,13 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                 sim_fail +=
                     outcome.stats.simulator_format_failures + outcome.stats.simulator_rejections;
                 sim_gens += outcome.stats.simulator_generations;
+                // Shadow-mode rollouts compare each prediction with the real response.
+                for r in &sink_mem.records {
+                    if let crate::session::EventBody::Fidelity { fidelity, .. } = &r.event {
+                        fid_sum += fidelity.value_agreement;
+                        fid_n += 1;
+                    }
+                }
                 group.push(training_rows(&sink_mem.records));
             }
             groups.push(group);
@@ -476,23 +484,26 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         last = mean_reward;
         let secs = ts.elapsed().as_secs_f64();
         let fmt_rate = fmt_fail as f64 / actor_turns.max(1) as f64;
-        sink.record(
-            &StepMetrics::new("grpo", step)
-                .with("reward", mean_reward)
-                .with("reward_actor", role_mean(GenRole::Actor))
-                .with("reward_simulator", role_mean(GenRole::Simulator))
-                .with("adv_abs_mean", adv_abs)
-                .with("rows", rows.len())
-                .with("rows_with_signal", active.len())
-                .with("loss", loss_v)
-                .with("kl", kl_v)
-                .with("entropy", ent_v)
-                .with("grad_norm", gn)
-                .with("actor_format_error_rate", fmt_rate)
-                .with("sim_failure_rate", sim_fail as f64 / sim_gens.max(1) as f64)
-                .with("tokens_per_s", trained_tokens as f64 / secs.max(1e-9))
-                .with("seconds", secs),
-        );
+        let mut metrics = StepMetrics::new("grpo", step)
+            .with("reward", mean_reward)
+            .with("reward_actor", role_mean(GenRole::Actor))
+            .with("reward_simulator", role_mean(GenRole::Simulator))
+            .with("adv_abs_mean", adv_abs)
+            .with("rows", rows.len())
+            .with("rows_with_signal", active.len())
+            .with("loss", loss_v)
+            .with("kl", kl_v)
+            .with("entropy", ent_v)
+            .with("grad_norm", gn)
+            .with("actor_format_error_rate", fmt_rate)
+            .with("sim_failure_rate", sim_fail as f64 / sim_gens.max(1) as f64)
+            .with("tokens_per_s", trained_tokens as f64 / secs.max(1e-9))
+            .with("seconds", secs);
+        // Simulator fidelity (mean value agreement with the real response): shadow/real only.
+        if fid_n > 0 {
+            metrics = metrics.with("sim_fidelity", fid_sum / fid_n as f64);
+        }
+        sink.record(&metrics);
         if let Some(dir) = out
             && cfg.checkpoint_every > 0
             && step % cfg.checkpoint_every == 0

@@ -1,0 +1,701 @@
+//! The TUI's driver: owns the terminal, merges terminal events, ticks and background results
+//! into one channel of [`Msg`]s, feeds them to the pure [`App::update`], and performs the
+//! [`Effect`]s it returns. Every slow thing (model loading, generation, tool calls, session
+//! loading, training) runs off the UI task and reports back through the channel, so the screen
+//! keeps redrawing. Logs go to a file (`<data dir>/envace.log`), never to the screen.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use crossterm::event::{DisableMouseCapture, EnableMouseCapture, Event as TermEvent, EventStream};
+use futures::StreamExt;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use super::app::{App, AppConfig, Effect, Level, Msg, Slot};
+use super::debugger::ForkSpec;
+use super::keymap::Keymap;
+use super::run_tab::{Autonomy, RunEnv, RunRequest};
+use super::theme;
+use super::train_tab::{TrainRequest, scan_checkpoints};
+use crate::engine::driver::{ApprovalHook, DriverEvent, SharedModel, share_model};
+use crate::engine::fork::{ForkEdit, ForkRequest, fork_path, run_fork};
+use crate::engine::fsm::ApprovalRequest;
+use crate::engine::profile::PromptProfile;
+use crate::engine::runner::{EpisodeEnv, RunError, RunOptions, engine_config, header, run_episode};
+use crate::engine::spec::{domain_system, task_spec};
+use crate::engine::types::{ApprovalGate, Decision, EngineConfig, EpisodeSpec, Mode};
+use crate::env::Environment;
+use crate::env::domain_env::DomainEnv;
+use crate::env::domains::Domain;
+use crate::env::mcp_client::{McpEnv, McpServerConfig};
+use crate::env::tasks::find_builtin;
+use crate::runtime::{CancelToken, DeviceChoice, LanguageModel, LocalModel};
+use crate::session::SessionWriter;
+use crate::train::metrics::{MetricsSink, StepMetrics};
+
+/// Failures of the TUI itself.
+#[derive(Debug, thiserror::Error)]
+pub enum TuiError {
+    #[error("terminal: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// `envace tui` options.
+#[derive(Debug, Clone)]
+pub struct TuiOptions {
+    pub model: PathBuf,
+    pub env: Option<String>,
+    pub mcp: Option<McpServerConfig>,
+    pub session: Option<PathBuf>,
+    pub sessions_dir: Option<PathBuf>,
+    pub theme: Option<String>,
+    pub device: DeviceChoice,
+}
+
+/// The user's config and data directories.
+pub fn project_dirs() -> Option<directories::ProjectDirs> {
+    directories::ProjectDirs::from("dev", "envace", "envace")
+}
+
+/// Build the app's configuration: themes and keymap from the config directory.
+pub fn app_config(opts: &TuiOptions) -> Result<AppConfig, TuiError> {
+    let dirs = project_dirs();
+    let config_dir = dirs.as_ref().map(|d| d.config_dir().to_path_buf());
+    let (themes, errors) =
+        theme::available(config_dir.as_ref().map(|d| d.join("themes")).as_deref());
+    for e in errors {
+        tracing::warn!("theme skipped: {e}");
+    }
+    let keymap =
+        Keymap::load(config_dir.as_deref()).map_err(|e| TuiError::Config(e.to_string()))?;
+    let theme = match &opts.theme {
+        Some(name) => themes.iter().position(|t| t.name == *name).ok_or_else(|| {
+            let names: Vec<&str> = themes.iter().map(|t| t.name.as_str()).collect();
+            TuiError::Config(format!("no theme `{name}` (have: {})", names.join(", ")))
+        })?,
+        None => 0,
+    };
+    let sessions_dir = opts
+        .sessions_dir
+        .clone()
+        .or_else(crate::session::default_sessions_dir)
+        .unwrap_or_else(|| PathBuf::from("sessions"));
+    Ok(AppConfig {
+        model: opts.model.clone(),
+        domain: opts.env.clone(),
+        mcp: opts.mcp.as_ref().map(|c| c.name.clone()),
+        runs_dir: dirs
+            .as_ref()
+            .map(|d| d.data_dir().join("runs"))
+            .unwrap_or_else(|| PathBuf::from("runs")),
+        sessions_dir,
+        themes,
+        theme,
+        keymap,
+    })
+}
+
+fn init_logging() {
+    let Some(dir) = project_dirs().map(|d| d.data_dir().to_path_buf()) else {
+        return;
+    };
+    if std::fs::create_dir_all(&dir).is_err() {
+        return;
+    }
+    let Ok(file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("envace.log"))
+    else {
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_writer(Mutex::new(file))
+        .with_ansi(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ENVACE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .try_init();
+}
+
+/// Run the TUI until the user quits.
+pub fn run(opts: TuiOptions) -> Result<(), TuiError> {
+    init_logging();
+    let cfg = app_config(&opts)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    // ratatui::init installs a panic hook that restores the terminal before printing.
+    let mut terminal = ratatui::init();
+    let _ = crossterm::execute!(std::io::stdout(), EnableMouseCapture);
+    let result = rt.block_on(event_loop(&mut terminal, cfg, opts));
+    let _ = crossterm::execute!(std::io::stdout(), DisableMouseCapture);
+    ratatui::restore();
+    let _ = std::io::stdout().flush();
+    rt.shutdown_timeout(Duration::from_secs(2));
+    result
+}
+
+/// The loaded model and its prompt profile, filled by a background load.
+type ModelSlot = Arc<Mutex<Option<(SharedModel, Option<PromptProfile>)>>>;
+
+/// What the driver holds besides the app.
+struct Ctx {
+    tx: UnboundedSender<Msg>,
+    model: ModelSlot,
+    device: DeviceChoice,
+    sessions_dir: PathBuf,
+    mcp: Option<McpServerConfig>,
+    run_cancel: CancelToken,
+    decisions: Option<UnboundedSender<Decision>>,
+    load_cancel: CancelToken,
+    train_cancel: CancelToken,
+}
+
+async fn event_loop(
+    terminal: &mut ratatui::DefaultTerminal,
+    cfg: AppConfig,
+    opts: TuiOptions,
+) -> Result<(), TuiError> {
+    let (tx, mut rx) = unbounded_channel::<Msg>();
+    let mut ctx = Ctx {
+        tx: tx.clone(),
+        model: Arc::new(Mutex::new(None)),
+        device: opts.device,
+        sessions_dir: cfg.sessions_dir.clone(),
+        mcp: opts.mcp.clone(),
+        run_cancel: CancelToken::new(),
+        decisions: None,
+        load_cancel: CancelToken::new(),
+        train_cancel: CancelToken::new(),
+    };
+    let mut app = App::new(cfg);
+    let size = terminal.size()?;
+    app.update(Msg::Resize(size.width, size.height));
+    let mut effects = app.init();
+    if let Some(s) = &opts.session {
+        effects.push(Effect::LoadSession {
+            path: s.clone(),
+            slot: Slot::Primary,
+        });
+    }
+    for e in effects {
+        perform(&mut ctx, e);
+    }
+    let mut events = EventStream::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        terminal.draw(|f| super::ui::draw(&app, f))?;
+        let msg = tokio::select! {
+            ev = events.next() => match ev {
+                Some(Ok(TermEvent::Key(k))) => Msg::Key(k),
+                Some(Ok(TermEvent::Mouse(m))) => Msg::Mouse(m),
+                Some(Ok(TermEvent::Resize(w, h))) => Msg::Resize(w, h),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e.into()),
+                None => break,
+            },
+            Some(m) = rx.recv() => m,
+            _ = tick.tick() => Msg::Tick,
+        };
+        let mut effects = app.update(msg);
+        // Coalesce a burst (streamed tokens) into one redraw.
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(15) {
+            match rx.try_recv() {
+                Ok(m) => effects.extend(app.update(m)),
+                Err(_) => break,
+            }
+        }
+        let mut quit = false;
+        for e in effects {
+            quit |= e == Effect::Quit;
+            perform(&mut ctx, e);
+        }
+        if quit || app.quit {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn send(tx: &UnboundedSender<Msg>, m: Msg) {
+    // The UI may be gone (quitting); nothing to do then.
+    let _ = tx.send(m);
+}
+
+fn perform(ctx: &mut Ctx, e: Effect) {
+    let tx = ctx.tx.clone();
+    match e {
+        Effect::Quit => {
+            ctx.run_cancel.cancel();
+            ctx.train_cancel.cancel();
+            ctx.load_cancel.cancel();
+        }
+        Effect::LoadModel(path) => {
+            let slot = Arc::clone(&ctx.model);
+            let device = ctx.device;
+            tokio::task::spawn_blocking(move || {
+                let r = LocalModel::load(&path, device)
+                    .map_err(|e| e.to_string())
+                    .and_then(|m| {
+                        let p = PromptProfile::read(&path).map_err(|e| e.to_string())?;
+                        Ok((m, p))
+                    });
+                match r {
+                    Ok((m, p)) => {
+                        let info = m.info();
+                        if let Ok(mut s) = slot.lock() {
+                            *s = Some((share_model(Box::new(m)), p));
+                        }
+                        send(&tx, Msg::ModelLoaded(Ok(info)));
+                    }
+                    Err(e) => send(&tx, Msg::ModelLoaded(Err((path, e)))),
+                }
+                if let Some(r) = super::models_tab::rss_mb() {
+                    send(&tx, Msg::Memory { rss_mb: r });
+                }
+            });
+        }
+        Effect::ScanSessions => {
+            let dir = ctx.sessions_dir.clone();
+            tokio::task::spawn_blocking(move || {
+                let (sessions, errors) = crate::session::index::scan_dir(&dir);
+                let errors = errors
+                    .into_iter()
+                    .map(|(p, e)| format!("{}: {e}", p.display()))
+                    .collect();
+                send(&tx, Msg::SessionsScanned { sessions, errors });
+            });
+        }
+        Effect::LoadSession { path, slot } => {
+            ctx.load_cancel = CancelToken::new();
+            let cancel = ctx.load_cancel.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut last = Instant::now();
+                let p2 = path.clone();
+                let tx2 = tx.clone();
+                let mut progress = move |done: u64, total: u64| {
+                    if last.elapsed() > Duration::from_millis(50) {
+                        last = Instant::now();
+                        send(
+                            &tx2,
+                            Msg::LoadProgress {
+                                path: p2.clone(),
+                                done,
+                                total,
+                            },
+                        );
+                    }
+                };
+                let result = crate::session::reader::read_session_with_progress(
+                    &path,
+                    &mut progress,
+                    &cancel,
+                )
+                .map(Box::new)
+                .map_err(|e| e.to_string());
+                send(&tx, Msg::SessionLoaded { path, slot, result });
+            });
+        }
+        Effect::CancelLoad => ctx.load_cancel.cancel(),
+        Effect::DeleteSession(p) => {
+            if let Err(e) = std::fs::remove_file(&p) {
+                send(
+                    &tx,
+                    Msg::Notice(Level::Error, format!("{}: {e}", p.display())),
+                );
+            }
+        }
+        Effect::DecodeTokens { event, ids } => {
+            let slot = Arc::clone(&ctx.model);
+            tokio::task::spawn_blocking(move || {
+                let model = slot
+                    .lock()
+                    .ok()
+                    .and_then(|s| s.as_ref().map(|m| m.0.clone()));
+                let Some(model) = model else {
+                    send(
+                        &tx,
+                        Msg::Notice(Level::Warn, "no model loaded to decode tokens".into()),
+                    );
+                    return;
+                };
+                let Ok(m) = model.lock() else { return };
+                let tokens = ids
+                    .iter()
+                    .map(|id| m.decode(&[*id]).unwrap_or_else(|_| format!("<{id}>")))
+                    .collect();
+                send(&tx, Msg::TokensDecoded { event, tokens });
+            });
+        }
+        Effect::StartRun(req) => start_run(ctx, Job::Run(req)),
+        Effect::Fork {
+            spec,
+            opts,
+            autonomy,
+        } => start_run(
+            ctx,
+            Job::Fork(ForkJob {
+                spec,
+                opts,
+                autonomy,
+            }),
+        ),
+        Effect::Decide(d) => {
+            if let Some(s) = &ctx.decisions {
+                let _ = s.send(d);
+            }
+        }
+        Effect::CancelRun => ctx.run_cancel.cancel(),
+        Effect::ScanModels => {
+            let mut roots = vec![PathBuf::from("models")];
+            if let Some(d) = project_dirs() {
+                roots.push(d.data_dir().join("models"));
+            }
+            tokio::task::spawn_blocking(move || {
+                send(
+                    &tx,
+                    Msg::ModelsScanned(super::models_tab::scan_models(&roots)),
+                );
+                if let Some(r) = super::models_tab::rss_mb() {
+                    send(&tx, Msg::Memory { rss_mb: r });
+                }
+            });
+        }
+        Effect::StartTraining(req) => {
+            ctx.train_cancel = CancelToken::new();
+            let cancel = ctx.train_cancel.clone();
+            std::thread::spawn(move || {
+                let out = req.out.clone();
+                let r = train(&req, &tx, &cancel);
+                send(&tx, Msg::Checkpoints(scan_checkpoints(&out)));
+                send(&tx, Msg::TrainFinished(r));
+            });
+        }
+        Effect::StopTraining => ctx.train_cancel.cancel(),
+        Effect::ScanCheckpoints(dir) => {
+            tokio::task::spawn_blocking(move || {
+                send(&tx, Msg::Checkpoints(scan_checkpoints(&dir)))
+            });
+        }
+    }
+}
+
+/// The trainer's metrics, forwarded to the UI.
+struct ChannelSink {
+    tx: UnboundedSender<Msg>,
+    out: PathBuf,
+}
+
+impl MetricsSink for ChannelSink {
+    fn record(&mut self, m: &StepMetrics) {
+        send(&self.tx, Msg::TrainMetrics(m.clone()));
+        send(&self.tx, Msg::Checkpoints(scan_checkpoints(&self.out)));
+    }
+    fn log(&mut self, line: &str) {
+        send(&self.tx, Msg::TrainLog(line.to_string()));
+    }
+}
+
+fn train(
+    req: &TrainRequest,
+    tx: &UnboundedSender<Msg>,
+    cancel: &CancelToken,
+) -> Result<String, String> {
+    use crate::train::grpo::{GrpoRun, run_grpo};
+    use crate::train::model::TrainableModel;
+    let device = candle_core::Device::Cpu;
+    let from = req.resume.clone().unwrap_or_else(|| req.model.clone());
+    let model = TrainableModel::load(&from, &device).map_err(|e| e.to_string())?;
+    let resume = match &req.resume {
+        Some(dir) => Some(
+            crate::train::checkpoint::load_for_resume(dir, &device).map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
+    std::fs::create_dir_all(&req.out).map_err(|e| format!("{}: {e}", req.out.display()))?;
+    let mut sink = ChannelSink {
+        tx: tx.clone(),
+        out: req.out.clone(),
+    };
+    send(
+        tx,
+        Msg::TrainLog(format!("loaded {}; rollouts are running…", from.display())),
+    );
+    let report = run_grpo(
+        &req.cfg,
+        GrpoRun {
+            model: &model,
+            model_dir: &from,
+            out: Some(&req.out),
+            resume: resume.as_ref(),
+            sink: &mut sink,
+            cancel,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(format!(
+        "{} steps; checkpoints in {}",
+        report.steps,
+        req.out.display()
+    ))
+}
+
+/// Answers approval requests from the dialog, according to the autonomy setting.
+struct DialogApprover {
+    autonomy: Autonomy,
+    tx: UnboundedSender<Msg>,
+    rx: UnboundedReceiver<Decision>,
+    cancel: CancelToken,
+}
+
+#[async_trait]
+impl ApprovalHook for DialogApprover {
+    async fn decide(&mut self, request: &ApprovalRequest) -> Decision {
+        let ask = match self.autonomy {
+            Autonomy::Never => false,
+            Autonomy::AskIrreversible => request.irreversible,
+            Autonomy::AskAlways => true,
+        };
+        if !ask {
+            return Decision::Approve;
+        }
+        send(&self.tx, Msg::ApprovalAsked(request.clone()));
+        loop {
+            tokio::select! {
+                d = self.rx.recv() => return d.unwrap_or(Decision::Terminate),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    if self.cancel.is_cancelled() {
+                        return Decision::Terminate;
+                    }
+                }
+            }
+        }
+    }
+}
+
+enum Job {
+    Run(RunRequest),
+    Fork(ForkJob),
+}
+
+struct ForkJob {
+    spec: ForkSpec,
+    opts: RunOptions,
+    autonomy: Autonomy,
+}
+
+fn start_run(ctx: &mut Ctx, job: Job) {
+    let tx = ctx.tx.clone();
+    let loaded = ctx.model.lock().ok().and_then(|s| s.clone());
+    let Some((model, profile)) = loaded else {
+        send(&tx, Msg::Notice(Level::Warn, "no model loaded".into()));
+        return;
+    };
+    ctx.run_cancel = CancelToken::new();
+    let cancel = ctx.run_cancel.clone();
+    let (dtx, drx) = unbounded_channel();
+    ctx.decisions = Some(dtx);
+    let mcp = ctx.mcp.clone();
+    let sessions_dir = ctx.sessions_dir.clone();
+    // The engine's driver future is not `Send` (it borrows trait objects across awaits), so
+    // each episode runs on its own thread with a current-thread runtime; its UI events are
+    // forwarded through the main runtime.
+    let handle = tokio::runtime::Handle::current();
+    let (uitx, mut uirx) = unbounded_channel::<DriverEvent>();
+    let t0 = Instant::now();
+    let fwd_tx = tx.clone();
+    let forward = handle.spawn(async move {
+        while let Some(event) = uirx.recv().await {
+            send(
+                &fwd_tx,
+                Msg::Driver {
+                    event,
+                    at_s: t0.elapsed().as_secs_f64(),
+                },
+            );
+        }
+    });
+    std::thread::spawn(move || {
+        let (autonomy, session) = match &job {
+            Job::Run(r) => (r.autonomy, r.session.clone()),
+            Job::Fork(f) => (f.autonomy, fork_path(&f.spec.session)),
+        };
+        let mut approver = DialogApprover {
+            autonomy,
+            tx: tx.clone(),
+            rx: drx,
+            cancel: cancel.clone(),
+        };
+        let _ = std::fs::create_dir_all(&sessions_dir);
+        let out = session.clone();
+        let episode = async {
+            match job {
+                Job::Run(req) => {
+                    run_request(
+                        &model,
+                        profile.as_ref(),
+                        req,
+                        mcp,
+                        &mut approver,
+                        uitx,
+                        cancel,
+                    )
+                    .await
+                }
+                Job::Fork(f) => {
+                    let req = ForkRequest {
+                        session: f.spec.session.clone(),
+                        at_event: f.spec.at_event.clone(),
+                        edit: f.spec.edit.map(|(event_id, tool, content)| {
+                            if tool {
+                                ForkEdit::ToolResult { event_id, content }
+                            } else {
+                                ForkEdit::ActorMessage { event_id, content }
+                            }
+                        }),
+                    };
+                    run_fork(
+                        &model,
+                        &req,
+                        &f.opts,
+                        profile.as_ref(),
+                        &out,
+                        &mut approver,
+                        Some(uitx),
+                        cancel,
+                    )
+                    .await
+                    .map(|o| o.reward())
+                    .map_err(|e| e.to_string())
+                }
+            }
+        };
+        let result = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt.block_on(episode),
+            Err(e) => {
+                drop(episode);
+                Err(format!("starting the episode runtime: {e}"))
+            }
+        };
+        // Deliver every streamed event before the result.
+        let _ = handle.block_on(forward);
+        send(&tx, Msg::RunFinished { session, result });
+    });
+}
+
+fn gate(cfg: &mut EngineConfig, autonomy: Autonomy) {
+    if let Mode::Real(l) | Mode::Shadow(l) = &mut cfg.mode {
+        l.approval = match autonomy {
+            Autonomy::AskAlways => ApprovalGate::EveryCall,
+            Autonomy::AskIrreversible => ApprovalGate::Irreversible,
+            // Calls still pass the hook (recorded as approved) so the session shows the gate.
+            Autonomy::Never => ApprovalGate::Irreversible,
+        };
+    }
+}
+
+async fn run_request(
+    model: &SharedModel,
+    profile: Option<&PromptProfile>,
+    req: RunRequest,
+    mcp: Option<McpServerConfig>,
+    approver: &mut DialogApprover,
+    ui: UnboundedSender<DriverEvent>,
+    cancel: CancelToken,
+) -> Result<f64, String> {
+    let e = |e: RunError| e.to_string();
+    let mut cfg = engine_config(&req.opts, profile).map_err(e)?;
+    gate(&mut cfg, req.autonomy);
+    let seed = req.opts.seed;
+    match &req.env {
+        RunEnv::Domain(name) => {
+            let domain = Domain::from_name(name).map_err(|e| e.to_string())?;
+            let (spec, task_id, mut env) = match (&req.instruction, &req.task_id) {
+                (Some(instr), _) => (
+                    EpisodeSpec {
+                        task_id: None,
+                        system: domain_system(domain),
+                        user_turns: vec![instr.clone()],
+                        tools: domain.tools(),
+                        examples: Vec::new(),
+                    },
+                    None,
+                    DomainEnv::new(domain),
+                ),
+                (None, Some(id)) => {
+                    let task = find_builtin(id).ok_or_else(|| format!("unknown task `{id}`"))?;
+                    (
+                        task_spec(task, false).map_err(|e| e.to_string())?,
+                        Some(task.id.clone()),
+                        DomainEnv::with_tasks(domain, vec![task.clone()]),
+                    )
+                }
+                (None, None) => return Err("choose a task or type an instruction".into()),
+            };
+            let mut writer = SessionWriter::create(
+                &req.session,
+                &header(model, domain.name(), task_id.clone(), &cfg, seed),
+            )
+            .map_err(|e| e.to_string())?;
+            let o = run_episode(
+                model,
+                spec,
+                cfg,
+                EpisodeEnv::Domain(&mut env),
+                task_id,
+                approver,
+                &mut writer,
+                Some(ui),
+                cancel,
+            )
+            .await
+            .map_err(e)?;
+            Ok(o.reward())
+        }
+        RunEnv::Mcp(_) => {
+            let cfg_mcp = mcp.ok_or("no MCP server configured")?;
+            let instr = req.instruction.clone().ok_or("type an instruction first")?;
+            let mut env = McpEnv::connect(cfg_mcp).await.map_err(|e| e.to_string())?;
+            let tools = env.tools().await.map_err(|e| e.to_string())?;
+            let name = env.name();
+            let spec = EpisodeSpec {
+                task_id: None,
+                system: format!(
+                    "You are an assistant with the tools of `{name}`. Use them, then answer the user."
+                ),
+                user_turns: vec![instr],
+                tools,
+                examples: Vec::new(),
+            };
+            let mut writer =
+                SessionWriter::create(&req.session, &header(model, &name, None, &cfg, seed))
+                    .map_err(|e| e.to_string())?;
+            let o = run_episode(
+                model,
+                spec,
+                cfg,
+                EpisodeEnv::External(&mut env),
+                None,
+                approver,
+                &mut writer,
+                Some(ui),
+                cancel,
+            )
+            .await
+            .map_err(e);
+            let _ = env.close().await;
+            Ok(o?.reward())
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The Models tab's state: model directories and GGUF files found under `models/` and the
+//! user's data directory, the selection, and the process's memory use.
+
+use std::path::{Path, PathBuf};
+
+use super::keymap::Action;
+
+/// A model found on disk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelEntry {
+    pub path: PathBuf,
+    /// `hf` (config.json + safetensors) or `gguf`.
+    pub format: &'static str,
+    pub bytes: u64,
+    /// A one-line description from config.json (architecture, size) when readable.
+    pub detail: String,
+}
+
+/// The Models tab.
+#[derive(Debug, Clone, Default)]
+pub struct ModelsTab {
+    pub entries: Vec<ModelEntry>,
+    pub selected: usize,
+    pub rss_mb: Option<f64>,
+}
+
+impl ModelsTab {
+    pub fn selected_path(&self) -> Option<PathBuf> {
+        self.entries.get(self.selected).map(|e| e.path.clone())
+    }
+    pub fn nav(&mut self, a: Action) {
+        let n = self.entries.len();
+        match a {
+            Action::Down => self.selected = (self.selected + 1).min(n.saturating_sub(1)),
+            Action::Up => self.selected = self.selected.saturating_sub(1),
+            Action::Top => self.selected = 0,
+            Action::Bottom => self.selected = n.saturating_sub(1),
+            _ => {}
+        }
+    }
+}
+
+fn dir_size(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
+fn describe(dir: &Path) -> String {
+    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+        return String::new();
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return "config.json does not parse".into();
+    };
+    let get = |k: &str| {
+        v.get(k)
+            .map(|x| x.to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    format!(
+        "{} · hidden {} · layers {} · vocab {}",
+        v.get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .unwrap_or("?"),
+        get("hidden_size"),
+        get("num_hidden_layers"),
+        get("vocab_size")
+    )
+}
+
+/// Models under each root: directories with `config.json` and safetensors weights (also one
+/// level down, e.g. `runs/grpo/final`), and `*.gguf` files.
+pub fn scan_models(roots: &[PathBuf]) -> Vec<ModelEntry> {
+    let mut out = Vec::new();
+    let mut visit = |p: &Path| {
+        if p.is_dir()
+            && p.join("config.json").is_file()
+            && (p.join("model.safetensors").is_file()
+                || p.join("model.safetensors.index.json").is_file())
+        {
+            out.push(ModelEntry {
+                path: p.to_path_buf(),
+                format: "hf",
+                bytes: dir_size(p),
+                detail: describe(p),
+            });
+        } else if p.extension().is_some_and(|x| x == "gguf") {
+            out.push(ModelEntry {
+                path: p.to_path_buf(),
+                format: "gguf",
+                bytes: std::fs::metadata(p).map(|m| m.len()).unwrap_or(0),
+                detail: "quantized GGUF (inference only)".into(),
+            });
+        }
+    };
+    for root in roots {
+        let mut level1: Vec<PathBuf> = std::fs::read_dir(root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        level1.sort();
+        for p in level1 {
+            visit(&p);
+            if p.is_dir() {
+                let mut level2: Vec<PathBuf> = std::fs::read_dir(&p)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path())
+                    .collect();
+                level2.sort();
+                for q in level2 {
+                    visit(&q);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Resident memory of this process in MiB (Linux `/proc`; `None` elsewhere).
+pub fn rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_bundled_model() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+        let v = scan_models(&[root]);
+        let tiny = v.iter().find(|e| e.path.ends_with("envace-tiny")).unwrap();
+        assert_eq!(tiny.format, "hf");
+        assert!(tiny.detail.contains("layers"), "{}", tiny.detail);
+        assert!(tiny.bytes > 1_000_000);
+    }
+}

@@ -1,0 +1,424 @@
+//! The Run tab's state: the episode settings (a form), the episode being watched (an
+//! [`EpisodeView`] fed by the driver's events), pane focus and scrolling, and the selected call
+//! for the real-vs-simulated diff.
+
+use std::path::{Path, PathBuf};
+
+use ratatui::layout::Rect;
+
+use super::episode::EpisodeView;
+use super::form::{Field, Form};
+use super::keymap::Action;
+use crate::engine::driver::{ApprovalPolicy, DriverEvent};
+use crate::engine::runner::{ModeChoice, RunOptions};
+use crate::engine::types::{RehearsalStrategy, RehearsalTrigger};
+use crate::env::ToolSpec;
+use crate::env::domains::Domain;
+use crate::env::tasks::{Split, list_tasks};
+use crate::session::{EventBody, session_file_name};
+
+/// Who approves real calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Autonomy {
+    /// Every real call opens the approval dialog.
+    AskAlways,
+    /// Irreversible calls open the dialog (the default).
+    AskIrreversible,
+    /// Nothing is asked; every call runs.
+    Never,
+}
+
+pub const AUTONOMY: [&str; 3] = ["ask irreversible", "ask always", "never ask"];
+
+/// Where the episode runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunEnv {
+    Domain(String),
+    /// An MCP server command line (`envace tui --mcp 'CMD'`).
+    Mcp(String),
+}
+
+/// Everything the driver needs to run an episode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRequest {
+    pub env: RunEnv,
+    pub task_id: Option<String>,
+    /// A typed instruction (replaces the task's user turn; the episode is then unscored).
+    pub instruction: Option<String>,
+    pub opts: RunOptions,
+    pub autonomy: Autonomy,
+    pub session: PathBuf,
+}
+
+/// The panes that take focus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pane {
+    Settings,
+    Actor,
+    Simulated,
+    Branches,
+    Diff,
+}
+
+impl Pane {
+    const ORDER: [Pane; 5] = [
+        Pane::Settings,
+        Pane::Actor,
+        Pane::Simulated,
+        Pane::Branches,
+        Pane::Diff,
+    ];
+    fn index(self) -> usize {
+        Self::ORDER.iter().position(|p| *p == self).unwrap_or(0)
+    }
+}
+
+/// Where the run stands.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunPhase {
+    Idle,
+    Running {
+        label: String,
+    },
+    Done {
+        session: PathBuf,
+        result: Result<f64, String>,
+    },
+}
+
+/// The Run tab.
+#[derive(Debug, Clone)]
+pub struct RunTab {
+    pub form: Form,
+    pub instruction: String,
+    pub mcp: Option<String>,
+    pub phase: RunPhase,
+    pub view: EpisodeView,
+    pub tools: Vec<ToolSpec>,
+    pub focus: Pane,
+    /// Scroll offsets of actor, simulated, branches, diff.
+    pub scroll: [u16; 4],
+    /// Selected call for the diff (index into `view.calls`); `None` follows the latest.
+    pub selected_call: Option<usize>,
+    pub tokens_per_s: f64,
+    pub elapsed_s: f64,
+    pub awaiting_approval: bool,
+}
+
+fn task_options(env: &str) -> Vec<String> {
+    match Domain::from_name(env) {
+        Ok(d) => list_tasks(d, Some(Split::Test))
+            .into_iter()
+            .chain(list_tasks(d, Some(Split::Train)))
+            .map(|t| t.id.clone())
+            .collect(),
+        Err(_) => vec!["(type an instruction)".into()],
+    }
+}
+
+impl RunTab {
+    pub fn new(domain: Option<&str>, mcp: Option<String>) -> Self {
+        let mut envs: Vec<String> = Domain::ALL.iter().map(|d| d.name().to_string()).collect();
+        if mcp.is_some() {
+            envs.push("mcp".into());
+        }
+        let env = match (&mcp, domain) {
+            (Some(_), None) => "mcp".to_string(),
+            (_, Some(d)) => d.to_string(),
+            (None, None) => "bank".to_string(),
+        };
+        let env_refs: Vec<&str> = envs.iter().map(String::as_str).collect();
+        let env_idx = envs.iter().position(|e| *e == env).unwrap_or(0);
+        let tasks = task_options(&env);
+        let task_refs: Vec<&str> = tasks.iter().map(String::as_str).collect();
+        let default_task = tasks
+            .iter()
+            .position(|t| t == "bank-test-0007")
+            .unwrap_or(0);
+        let form = Form::new(vec![
+            Field::choice("env", "env", &env_refs, env_idx),
+            Field::choice("task", "task", &task_refs, default_task),
+            Field::choice("mode", "mode", &["shadow", "real", "rehearse"], 0),
+            Field::number("n", "rehearsals N", 2.0, (1.0, 0.0, 16.0), 0),
+            Field::choice("strategy", "strategy", &["parallel", "sequential"], 0),
+            Field::choice("trigger", "rehearse on", &["irreversible", "every call"], 0),
+            Field::choice("autonomy", "approval", &AUTONOMY, 0),
+            Field::number("seed", "seed", 0.0, (1.0, 0.0, 1e9), 0),
+            Field::number("turns", "max turns", 8.0, (1.0, 1.0, 64.0), 0),
+        ]);
+        Self {
+            form,
+            instruction: String::new(),
+            mcp,
+            phase: RunPhase::Idle,
+            view: EpisodeView::default(),
+            tools: Vec::new(),
+            focus: Pane::Settings,
+            scroll: [0; 4],
+            selected_call: None,
+            tokens_per_s: 0.0,
+            elapsed_s: 0.0,
+            awaiting_approval: false,
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        matches!(self.phase, RunPhase::Running { .. })
+    }
+
+    pub fn autonomy(&self) -> Autonomy {
+        match self.form.choice("autonomy").as_str() {
+            "ask always" => Autonomy::AskAlways,
+            "never ask" => Autonomy::Never,
+            _ => Autonomy::AskIrreversible,
+        }
+    }
+
+    /// The run options the form describes.
+    pub fn options(&self) -> RunOptions {
+        RunOptions {
+            mode: match self.form.choice("mode").as_str() {
+                "real" => ModeChoice::Real,
+                "rehearse" => ModeChoice::Rehearse,
+                _ => ModeChoice::Shadow,
+            },
+            rehearsals: self.form.number("n") as usize,
+            rehearsal_mode: if self.form.choice("strategy") == "sequential" {
+                RehearsalStrategy::Sequential
+            } else {
+                RehearsalStrategy::Parallel
+            },
+            rehearse_on: if self.form.choice("trigger") == "every call" {
+                RehearsalTrigger::EveryCall
+            } else {
+                RehearsalTrigger::Irreversible
+            },
+            approve: ApprovalPolicy::Always,
+            seed: self.form.number("seed") as u64,
+            max_turns: self.form.number("turns") as u32,
+            temperature: 0.0,
+        }
+    }
+
+    /// Build the run request, or say what is missing.
+    pub fn request(&self, sessions_dir: &Path) -> Result<RunRequest, String> {
+        let opts = self.options();
+        if opts.mode == ModeChoice::Rehearse && opts.rehearsals > 0 {
+            return Err(
+                "Private Rehearsal needs a real environment: set N to 0 for rehearse mode, or use shadow/real"
+                    .into(),
+            );
+        }
+        let env_name = self.form.choice("env");
+        let instruction = (!self.instruction.trim().is_empty()).then(|| self.instruction.clone());
+        let (env, task_id) = if env_name == "mcp" {
+            let cmd = self.mcp.clone().ok_or("no MCP server was given (--mcp)")?;
+            if instruction.is_none() {
+                return Err(
+                    "an MCP server has no built-in tasks: press i and type an instruction".into(),
+                );
+            }
+            (RunEnv::Mcp(cmd), None)
+        } else {
+            (
+                RunEnv::Domain(env_name.clone()),
+                Some(self.form.choice("task")),
+            )
+        };
+        let file = session_file_name(
+            &env_name,
+            if instruction.is_some() {
+                Some("instruction")
+            } else {
+                task_id.as_deref()
+            },
+            opts.seed,
+        );
+        Ok(RunRequest {
+            env,
+            task_id,
+            instruction,
+            opts,
+            autonomy: self.autonomy(),
+            session: sessions_dir.join(file),
+        })
+    }
+
+    fn reset_view(&mut self, label: String) {
+        self.view = EpisodeView::default();
+        self.tools.clear();
+        self.scroll = [0; 4];
+        self.selected_call = None;
+        self.tokens_per_s = 0.0;
+        self.elapsed_s = 0.0;
+        self.awaiting_approval = false;
+        self.phase = RunPhase::Running { label };
+    }
+
+    pub fn started(&mut self, req: &RunRequest) {
+        let label = match (&req.instruction, &req.task_id) {
+            (Some(i), _) => format!("instruction: {i}"),
+            (None, Some(t)) => t.clone(),
+            (None, None) => "episode".into(),
+        };
+        self.reset_view(label);
+    }
+
+    pub fn forking(&mut self, spec: &super::debugger::ForkSpec) {
+        self.reset_view(format!("fork of {} at {}", spec.file_name(), spec.at_event));
+    }
+
+    pub fn finished(&mut self, session: PathBuf, result: Result<f64, String>) {
+        self.awaiting_approval = false;
+        self.phase = RunPhase::Done { session, result };
+    }
+
+    pub fn tool_spec(&self, name: &str) -> Option<ToolSpec> {
+        self.tools.iter().find(|t| t.name == name).cloned()
+    }
+
+    pub fn on_driver(&mut self, event: DriverEvent, at_s: f64) {
+        self.elapsed_s = at_s;
+        match event {
+            DriverEvent::Text {
+                role, branch, text, ..
+            } => self.view.stream(role, branch, &text),
+            DriverEvent::Persisted(rec) => {
+                if let EventBody::EpisodeStart { tools, .. } = &rec.event {
+                    self.tools = tools.clone();
+                }
+                if matches!(rec.event, EventBody::Approval { .. }) {
+                    self.awaiting_approval = false;
+                }
+                self.view.apply(&rec);
+                if at_s > 0.0 {
+                    self.tokens_per_s = self.view.generated_tokens as f64 / at_s;
+                }
+            }
+            DriverEvent::AwaitingApproval(_) => self.awaiting_approval = true,
+            DriverEvent::Finished(_) => {}
+        }
+    }
+
+    /// The call the diff pane shows.
+    pub fn diff_call(&self) -> Option<usize> {
+        match self.selected_call {
+            Some(i) if i < self.view.calls.len() => Some(i),
+            _ => self
+                .view
+                .calls
+                .iter()
+                .rposition(|c| c.real.is_some() || c.simulated.is_some()),
+        }
+    }
+
+    /// Keys other than the tab's own actions.
+    pub fn nav(&mut self, a: Action) {
+        if a == Action::FocusNext {
+            self.focus = Pane::ORDER[(self.focus.index() + 1) % Pane::ORDER.len()];
+            return;
+        }
+        if a == Action::Back {
+            self.focus = Pane::Settings;
+            return;
+        }
+        match self.focus {
+            Pane::Settings => match a {
+                Action::Left => self.form.up(),
+                Action::Right => self.form.down(),
+                Action::Up => self.nudge(1),
+                Action::Down => self.nudge(-1),
+                Action::PageUp => self.nudge(10),
+                Action::PageDown => self.nudge(-10),
+                _ => {}
+            },
+            Pane::Diff if matches!(a, Action::Left | Action::Right) => {
+                let n = self.view.calls.len();
+                if n == 0 {
+                    return;
+                }
+                let cur = self.diff_call().unwrap_or(0);
+                self.selected_call = Some(if a == Action::Left {
+                    cur.saturating_sub(1)
+                } else {
+                    (cur + 1).min(n - 1)
+                });
+                self.scroll[3] = 0;
+            }
+            p => {
+                let i = p.index() - 1;
+                let s = &mut self.scroll[i];
+                match a {
+                    Action::Down => *s = s.saturating_add(1),
+                    Action::Up => *s = s.saturating_sub(1),
+                    Action::PageDown => *s = s.saturating_add(10),
+                    Action::PageUp => *s = s.saturating_sub(10),
+                    Action::Top => *s = 0,
+                    Action::Bottom => *s = u16::MAX / 2,
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn nudge(&mut self, delta: i32) {
+        let key = self.form.current().map(|f| f.key);
+        if key == Some("task") && delta.abs() > 1 {
+            for _ in 0..delta.abs() {
+                self.form.nudge(delta.signum());
+            }
+        } else {
+            self.form.nudge(delta.signum());
+        }
+        if key == Some("env") {
+            let env = self.form.choice("env");
+            self.form.set_options("task", task_options(&env));
+        }
+    }
+
+    /// Focus the pane under a click.
+    pub fn click(&mut self, body: Rect, x: u16, y: u16) {
+        let l = super::ui::run::layout(body);
+        let hit = |r: Rect| x >= r.x && x < r.x + r.width && y >= r.y && y < r.y + r.height;
+        for (r, p) in [
+            (l.settings, Pane::Settings),
+            (l.actor, Pane::Actor),
+            (l.simulated, Pane::Simulated),
+            (l.branches, Pane::Branches),
+            (l.diff, Pane::Diff),
+        ] {
+            if hit(r) {
+                self.focus = p;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_change_refreshes_tasks_and_request_validates() {
+        let mut t = RunTab::new(None, None);
+        assert_eq!(t.form.choice("task"), "bank-test-0007");
+        t.nudge(1); // env: bank → retail
+        assert_eq!(t.form.choice("env"), "retail");
+        assert!(t.form.choice("task").starts_with("retail-"));
+        let r = t.request(Path::new("/tmp/s")).unwrap();
+        assert_eq!(r.env, RunEnv::Domain("retail".into()));
+        assert!(r.session.starts_with("/tmp/s"));
+        t.form.select("mode", "rehearse");
+        assert!(t.request(Path::new("/tmp")).unwrap_err().contains("N to 0"));
+    }
+
+    #[test]
+    fn mcp_needs_an_instruction() {
+        let mut t = RunTab::new(None, Some("node server.js".into()));
+        assert_eq!(t.form.choice("env"), "mcp");
+        assert!(t.request(Path::new("/tmp")).is_err());
+        t.instruction = "list the files".into();
+        let r = t.request(Path::new("/tmp")).unwrap();
+        assert_eq!(r.env, RunEnv::Mcp("node server.js".into()));
+    }
+}

@@ -1,0 +1,247 @@
+//! The Train tab's state: the GRPO configuration as a form, the live metric series the
+//! trainer reports through its `MetricsSink`, the log tail, and the checkpoints on disk.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+
+use super::form::{Field, Form};
+use super::keymap::Action;
+use crate::engine::runner::ModeChoice;
+use crate::train::grpo::GrpoConfig;
+use crate::train::metrics::StepMetrics;
+
+/// Lines of log kept.
+pub const LOG_LINES: usize = 500;
+
+/// What the driver needs to train.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainRequest {
+    pub model: PathBuf,
+    pub resume: Option<PathBuf>,
+    pub out: PathBuf,
+    pub cfg: GrpoConfig,
+}
+
+/// Where training stands.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainPhase {
+    Idle,
+    Running,
+    Done(Result<String, String>),
+}
+
+/// Which list has focus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainFocus {
+    Form,
+    Checkpoints,
+}
+
+/// The Train tab.
+#[derive(Debug, Clone)]
+pub struct TrainTab {
+    pub form: Form,
+    pub phase: TrainPhase,
+    /// metric name → (step, value) points.
+    pub series: BTreeMap<String, Vec<(f64, f64)>>,
+    pub last: Option<StepMetrics>,
+    pub logs: VecDeque<String>,
+    pub checkpoints: Vec<PathBuf>,
+    pub selected_checkpoint: usize,
+    pub focus: TrainFocus,
+}
+
+impl TrainTab {
+    /// `runs` is where training output goes by default (`<runs>/grpo`).
+    pub fn new(runs: &Path) -> Self {
+        let out = runs.join("grpo");
+        let form = Form::new(vec![
+            Field::choice(
+                "env",
+                "domains",
+                &["bank", "retail", "travel", "bank,retail,travel"],
+                0,
+            ),
+            Field::choice("mode", "rollout mode", &["rehearse", "shadow", "real"], 0),
+            Field::number("steps", "steps", 20.0, (1.0, 1.0, 100000.0), 0),
+            Field::number("batch", "tasks / step", 4.0, (1.0, 1.0, 64.0), 0),
+            Field::number("group", "episodes / task", 4.0, (1.0, 2.0, 32.0), 0),
+            Field::number("lr", "learning rate", 1e-4, (0.0, 1e-7, 1e-2), 6),
+            Field::number("temperature", "temperature", 1.0, (0.1, 0.1, 2.0), 1),
+            Field::number("kl", "KL coef", 0.0, (0.01, 0.0, 1.0), 2),
+            Field::number("seed", "seed", 0.0, (1.0, 0.0, 1e9), 0),
+            Field::number("every", "checkpoint every", 5.0, (1.0, 0.0, 1000.0), 0),
+            Field::text("out", "output dir", &out.display().to_string()),
+        ]);
+        Self {
+            form,
+            phase: TrainPhase::Idle,
+            series: BTreeMap::new(),
+            last: None,
+            logs: VecDeque::new(),
+            checkpoints: Vec::new(),
+            selected_checkpoint: 0,
+            focus: TrainFocus::Form,
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.phase == TrainPhase::Running
+    }
+
+    pub fn out_dir(&self) -> PathBuf {
+        PathBuf::from(self.form.text("out"))
+    }
+
+    /// The configuration the form describes.
+    pub fn config(&self) -> GrpoConfig {
+        GrpoConfig {
+            domains: self
+                .form
+                .choice("env")
+                .split(',')
+                .map(str::to_string)
+                .collect(),
+            mode: match self.form.choice("mode").as_str() {
+                "shadow" => ModeChoice::Shadow,
+                "real" => ModeChoice::Real,
+                _ => ModeChoice::Rehearse,
+            },
+            steps: self.form.number("steps") as usize,
+            batch: self.form.number("batch") as usize,
+            group: self.form.number("group") as usize,
+            lr: self.form.number("lr"),
+            temperature: self.form.number("temperature"),
+            kl_coef: self.form.number("kl"),
+            seed: self.form.number("seed") as u64,
+            checkpoint_every: self.form.number("every") as usize,
+            ..GrpoConfig::default()
+        }
+    }
+
+    /// A request to start (or resume from the selected checkpoint).
+    pub fn request(&self, model: &Path, resume: bool) -> Result<TrainRequest, String> {
+        let out = self.out_dir();
+        if out.as_os_str().is_empty() {
+            return Err("set an output directory".into());
+        }
+        let resume = if resume {
+            Some(
+                self.selected_checkpoint()
+                    .ok_or("no checkpoint selected to resume from")?,
+            )
+        } else {
+            None
+        };
+        Ok(TrainRequest {
+            model: model.to_path_buf(),
+            resume,
+            out,
+            cfg: self.config(),
+        })
+    }
+
+    pub fn started(&mut self) {
+        self.phase = TrainPhase::Running;
+        self.series.clear();
+        self.last = None;
+        self.log("training started".into());
+    }
+
+    pub fn finished(&mut self, r: Result<String, String>) {
+        self.log(match &r {
+            Ok(s) => format!("finished: {s}"),
+            Err(e) => format!("failed: {e}"),
+        });
+        self.phase = TrainPhase::Done(r);
+    }
+
+    pub fn on_metrics(&mut self, m: StepMetrics) {
+        let x = m.step as f64;
+        for (k, v) in &m.values {
+            if let Some(v) = v.as_f64()
+                && v.is_finite()
+            {
+                self.series.entry(k.clone()).or_default().push((x, v));
+            }
+        }
+        self.last = Some(m);
+    }
+
+    pub fn log(&mut self, line: String) {
+        if self.logs.len() == LOG_LINES {
+            self.logs.pop_front();
+        }
+        self.logs.push_back(line);
+    }
+
+    pub fn selected_checkpoint(&self) -> Option<PathBuf> {
+        self.checkpoints.get(self.selected_checkpoint).cloned()
+    }
+
+    pub fn nav(&mut self, a: Action) {
+        match (self.focus, a) {
+            (_, Action::FocusNext) => {
+                self.focus = match self.focus {
+                    TrainFocus::Form => TrainFocus::Checkpoints,
+                    TrainFocus::Checkpoints => TrainFocus::Form,
+                }
+            }
+            (TrainFocus::Form, Action::Up) => self.form.up(),
+            (TrainFocus::Form, Action::Down) => self.form.down(),
+            (TrainFocus::Form, Action::Left) => self.form.nudge(-1),
+            (TrainFocus::Form, Action::Right) => self.form.nudge(1),
+            (TrainFocus::Checkpoints, Action::Up) => {
+                self.selected_checkpoint = self.selected_checkpoint.saturating_sub(1)
+            }
+            (TrainFocus::Checkpoints, Action::Down) => {
+                self.selected_checkpoint =
+                    (self.selected_checkpoint + 1).min(self.checkpoints.len().saturating_sub(1))
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Checkpoint directories under `out` (`checkpoint-N`, `final`), newest step last.
+pub fn scan_checkpoints(out: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(out)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("model.safetensors").is_file())
+        .map(|p| {
+            let name = p
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let step = name
+                .strip_prefix("checkpoint-")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(u64::MAX);
+            (step, p)
+        })
+        .collect();
+    v.sort();
+    v.into_iter().map(|(_, p)| p).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn form_becomes_a_grpo_config() {
+        let mut t = TrainTab::new(Path::new("runs"));
+        t.form.cursor = 2;
+        t.form.nudge(1);
+        let c = t.config();
+        assert_eq!(c.steps, 21);
+        assert_eq!(c.domains, vec!["bank"]);
+        assert_eq!(c.mode, ModeChoice::Rehearse);
+        assert!(t.request(Path::new("m"), true).is_err());
+        let r = t.request(Path::new("m"), false).unwrap();
+        assert_eq!(r.out, PathBuf::from("runs/grpo"));
+    }
+}
