@@ -31,16 +31,21 @@ pub enum EnvCommand {
         domain: Option<String>,
         #[command(flatten)]
         mcp: McpArgs,
+        #[command(flatten)]
+        headers: McpHeaderArgs,
         #[arg(long)]
         json: bool,
     },
-    /// Call one tool: `envace env call DOMAIN TOOL 'JSON'` or `envace env call --mcp CMD TOOL 'JSON'`.
+    /// Call one tool: `envace env call DOMAIN TOOL 'JSON'`, `envace env call --mcp CMD TOOL 'JSON'`
+    /// or `envace env call --mcp-url URL TOOL 'JSON'`.
     Call {
         /// [DOMAIN] TOOL [JSON]
         #[arg(required = true, num_args = 1..=3)]
         target: Vec<String>,
         #[command(flatten)]
         mcp: McpArgs,
+        #[command(flatten)]
+        headers: McpHeaderArgs,
         /// Reset the domain to this task's initial state first.
         #[arg(long)]
         task: Option<String>,
@@ -69,8 +74,8 @@ pub struct McpArgs {
     /// An MCP server command line, e.g. 'node server.js stdio' (split on whitespace).
     #[arg(long)]
     pub mcp: Option<String>,
-    /// A streamable-HTTP MCP endpoint URL.
-    #[arg(long)]
+    /// A streamable-HTTP MCP endpoint URL, e.g. http://127.0.0.1:3001/mcp.
+    #[arg(long, conflicts_with = "mcp")]
     pub mcp_url: Option<String>,
     /// Extra environment for the server: KEY=VALUE (repeatable).
     #[arg(long = "mcp-env")]
@@ -83,11 +88,38 @@ pub struct McpArgs {
     pub timeout: f64,
 }
 
+/// Headers for `--mcp-url` (`envace env tools|call`). Kept out of [`McpArgs`], which other
+/// commands build as a struct literal.
+#[derive(Debug, Clone, Default, Args)]
+pub struct McpHeaderArgs {
+    /// A header for every request to --mcp-url: 'NAME: VALUE', e.g.
+    /// 'Authorization: Bearer TOKEN' (repeatable).
+    #[arg(long = "mcp-header", requires = "mcp_url")]
+    pub mcp_header: Vec<String>,
+}
+
 impl McpArgs {
     pub fn config(&self) -> Result<Option<McpServerConfig>> {
+        self.config_with_headers(&McpHeaderArgs::default())
+    }
+
+    /// [`Self::config`], with headers for an HTTP server.
+    pub fn config_with_headers(&self, headers: &McpHeaderArgs) -> Result<Option<McpServerConfig>> {
+        // Checked here, not with clap's `requires`: clap waives a requirement that conflicts
+        // with a present argument, and `--mcp` conflicts with `--mcp-url`.
+        if self.mcp.is_none() && (!self.mcp_env.is_empty() || self.mcp_cwd.is_some()) {
+            bail!("--mcp-env and --mcp-cwd apply to a server process (--mcp), not to --mcp-url");
+        }
         let timeout = Duration::from_secs_f64(self.timeout.max(0.001));
         if let Some(url) = &self.mcp_url {
-            return Ok(Some(McpServerConfig::http(url).with_timeout(timeout)));
+            let mut cfg = McpServerConfig::http(url).with_timeout(timeout);
+            for h in &headers.mcp_header {
+                let (k, v) = h
+                    .split_once(':')
+                    .with_context(|| format!("--mcp-header `{h}`: expected 'NAME: VALUE'"))?;
+                cfg = cfg.with_header(k.trim(), v.trim());
+            }
+            return Ok(Some(cfg));
         }
         let Some(line) = &self.mcp else {
             return Ok(None);
@@ -169,8 +201,18 @@ fn annotations_text(t: &ToolSpec) -> String {
 pub async fn run_env(cmd: EnvCommand) -> Result<()> {
     match cmd {
         EnvCommand::List { json } => run_list(json),
-        EnvCommand::Tools { domain, mcp, json } => run_tools(domain, &mcp, json).await,
-        EnvCommand::Call { target, mcp, task } => run_call(target, &mcp, task).await,
+        EnvCommand::Tools {
+            domain,
+            mcp,
+            headers,
+            json,
+        } => run_tools(domain, &mcp, &headers, json).await,
+        EnvCommand::Call {
+            target,
+            mcp,
+            headers,
+            task,
+        } => run_call(target, &mcp, &headers, task).await,
         EnvCommand::CheckGold {
             domain,
             tasks,
@@ -226,11 +268,15 @@ fn run_list(json: bool) -> Result<()> {
     Ok(())
 }
 
-async fn open_env(domain: Option<&str>, mcp: &McpArgs) -> Result<Box<dyn Environment>> {
-    match (domain, mcp.config()?) {
+async fn open_env(
+    domain: Option<&str>,
+    mcp: &McpArgs,
+    headers: &McpHeaderArgs,
+) -> Result<Box<dyn Environment>> {
+    match (domain, mcp.config_with_headers(headers)?) {
         (Some(_), Some(_)) => bail!("give either a DOMAIN or --mcp/--mcp-url, not both"),
         (None, None) => bail!(
-            "give a DOMAIN ({}) or --mcp 'CMD ARGS'",
+            "give a DOMAIN ({}), --mcp 'CMD ARGS' or --mcp-url URL",
             Domain::known_names()
         ),
         (Some(d), None) => Ok(Box::new(DomainEnv::new(Domain::from_name(d)?))),
@@ -238,23 +284,40 @@ async fn open_env(domain: Option<&str>, mcp: &McpArgs) -> Result<Box<dyn Environ
     }
 }
 
-async fn run_tools(domain: Option<String>, mcp: &McpArgs, json: bool) -> Result<()> {
-    let mut env = open_env(domain.as_deref(), mcp).await?;
+async fn run_tools(
+    domain: Option<String>,
+    mcp: &McpArgs,
+    headers: &McpHeaderArgs,
+    json: bool,
+) -> Result<()> {
+    let mut env = open_env(domain.as_deref(), mcp, headers).await?;
     let tools = env.tools().await?;
     if json {
         return print_json(&serde_json::to_value(&tools)?);
     }
+    let mut out = std::io::stdout().lock();
     for t in &tools {
-        println!("{}  [{}]", t.name, annotations_text(t));
+        let mut text = format!("{}  [{}]\n", t.name, annotations_text(t));
         if !t.description.is_empty() {
-            println!("    {}", t.description.lines().next().unwrap_or_default());
+            let first = t.description.lines().next().unwrap_or_default();
+            text.push_str(&format!("    {first}\n"));
         }
-        println!("    {}", t.input_schema);
+        text.push_str(&format!("    {}\n", t.input_schema));
+        // `envace env tools … | head` closes the pipe early: that is not an error.
+        match out.write_all(text.as_bytes()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            other => other?,
+        }
     }
     Ok(())
 }
 
-async fn run_call(target: Vec<String>, mcp: &McpArgs, task: Option<String>) -> Result<()> {
+async fn run_call(
+    target: Vec<String>,
+    mcp: &McpArgs,
+    headers: &McpHeaderArgs,
+    task: Option<String>,
+) -> Result<()> {
     let is_mcp = mcp.mcp.is_some() || mcp.mcp_url.is_some();
     let (domain, tool, args) = match (is_mcp, target.as_slice()) {
         (true, [t]) => (None, t.clone(), "{}".to_string()),
@@ -262,12 +325,13 @@ async fn run_call(target: Vec<String>, mcp: &McpArgs, task: Option<String>) -> R
         (false, [d, t]) => (Some(d.clone()), t.clone(), "{}".to_string()),
         (false, [d, t, a]) => (Some(d.clone()), t.clone(), a.clone()),
         _ => bail!(
-            "usage: envace env call DOMAIN TOOL 'JSON' | envace env call --mcp CMD TOOL 'JSON'"
+            "usage: envace env call DOMAIN TOOL 'JSON' | envace env call --mcp CMD TOOL 'JSON' | \
+             envace env call --mcp-url URL TOOL 'JSON'"
         ),
     };
     let arguments: Value =
         serde_json::from_str(&args).with_context(|| format!("arguments are not JSON: {args}"))?;
-    let mut env = open_env(domain.as_deref(), mcp).await?;
+    let mut env = open_env(domain.as_deref(), mcp, headers).await?;
     if task.is_some() {
         env.reset(task.as_deref()).await?;
     }

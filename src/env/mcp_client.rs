@@ -1,21 +1,27 @@
-//! Any MCP server as an [`Environment`], through the rmcp client: tools and annotations from
-//! `tools/list`, calls through `tools/call` (structured content preferred, text content parsed
-//! as JSON when it is JSON), a per-call timeout, and MCP task files whose success checks are
-//! read-only calls made after the episode.
+//! Any MCP server as an [`Environment`], through the rmcp client, over either transport: a child
+//! process on stdio, or a streamable-HTTP endpoint (a URL, with optional headers such as
+//! `Authorization`). Tools and annotations from `tools/list`, calls through `tools/call`
+//! (structured content preferred, text content parsed as JSON when it is JSON), a per-call
+//! timeout, and MCP task files whose success checks are read-only calls made after the episode.
 //!
-//! A server that crashes, hangs, exits early or talks garbage becomes an [`EnvError`] naming the
-//! server, with the tail of its stderr; it never panics or blocks the caller past the timeout.
-//! Errors the server reports for a call (`isError`, a JSON-RPC error) are the agent's to read:
-//! they become [`ToolResponse::Error`].
+//! A server that crashes, hangs, exits early, refuses the connection, answers HTTP errors or
+//! talks garbage becomes an [`EnvError`] naming the server (its URL for HTTP), with the tail of
+//! its stderr for a process; it never panics or blocks the caller past the timeout. Errors the
+//! server reports for a call (`isError`, a JSON-RPC error) are the agent's to read: they become
+//! [`ToolResponse::Error`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock};
-use rmcp::service::{RoleClient, RunningService};
+use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
+use rmcp::transport::streamable_http_client::{
+    StreamableHttpClientTransportConfig, StreamableHttpError,
+};
+use rmcp::transport::{DynamicTransportError, IntoTransport, StreamableHttpClientTransport};
 use rmcp::{ServiceError, ServiceExt};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -42,8 +48,33 @@ pub enum McpTransport {
         #[serde(default)]
         cwd: Option<PathBuf>,
     },
-    /// A streamable-HTTP endpoint.
-    Http { url: String },
+    /// A streamable-HTTP endpoint, e.g. `http://127.0.0.1:3001/mcp`.
+    Http {
+        url: String,
+        /// Sent with every request (`Authorization: Bearer …`, API keys).
+        #[serde(default, skip_serializing_if = "HttpHeaders::is_empty")]
+        headers: HttpHeaders,
+    },
+}
+
+/// HTTP headers for a streamable-HTTP server. Debug output shows the names only: values are
+/// often credentials.
+#[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct HttpHeaders(pub BTreeMap<String, String>);
+
+impl HttpHeaders {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for HttpHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.0.keys().map(|k| (k, "<redacted>")))
+            .finish()
+    }
 }
 
 /// A server to connect to.
@@ -79,10 +110,36 @@ impl McpServerConfig {
         let url = url.into();
         Self {
             name: url.clone(),
-            transport: McpTransport::Http { url },
+            transport: McpTransport::Http {
+                url,
+                headers: HttpHeaders::default(),
+            },
             call_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// A config for a transport as written in a task file's `server` section (default timeouts;
+    /// named like [`Self::stdio`] and [`Self::http`]).
+    pub fn from_transport(transport: McpTransport) -> Self {
+        let name = match &transport {
+            McpTransport::Stdio { command, args, .. } => server_name(command, args),
+            McpTransport::Http { url, .. } => url.clone(),
+        };
+        Self {
+            name,
+            transport,
+            call_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Adds a header to every request (HTTP only; ignored for stdio).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        if let McpTransport::Http { headers, .. } = &mut self.transport {
+            headers.0.insert(name.into(), value.into());
+        }
+        self
     }
 
     pub fn with_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
@@ -242,16 +299,15 @@ impl McpEnv {
     /// Start (stdio) or reach (HTTP) the server and complete the MCP handshake.
     pub async fn connect(config: McpServerConfig) -> Result<Self, EnvError> {
         let stderr = StderrTail::default();
-        let process;
         let err = |message: String| EnvError::Mcp {
             server: config.name.clone(),
             message,
         };
-        let transport = match &config.transport {
-            McpTransport::Http { url } => {
-                return Err(err(format!(
-                    "streamable HTTP ({url}) is not supported by this build; use a stdio server"
-                )));
+        let (client, process) = match &config.transport {
+            McpTransport::Http { url, headers } => {
+                let transport =
+                    http_transport(url, headers, config.connect_timeout).map_err(err)?;
+                (handshake(&config, transport, &stderr).await?, None)
             }
             McpTransport::Stdio {
                 command,
@@ -279,32 +335,9 @@ impl McpEnv {
                 };
                 spawn_stderr_reader(child_stderr, stderr.clone());
                 let reader = spawn_stdout_vetter(stdout, stderr.clone());
-                process = Some(child);
-                (reader, stdin)
-            }
-        };
-        let client = match tokio::time::timeout(config.connect_timeout, ().serve(transport)).await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                // Give the stderr reader a moment to collect the reason.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                return Err(err(with_tail(
-                    format!("handshake failed (server exited or answered garbage): {e}"),
-                    &stderr,
-                )));
-            }
-            Err(_) => {
-                let garbage = stderr
-                    .garbage()
-                    .map(|l| format!(" (it wrote non-JSON-RPC output: {l})"))
-                    .unwrap_or_default();
-                return Err(err(with_tail(
-                    format!(
-                        "no valid answer to initialize within {:.1}s{garbage}",
-                        config.connect_timeout.as_secs_f64()
-                    ),
-                    &stderr,
-                )));
+                // On a failed handshake `child` is dropped here and killed (kill_on_drop).
+                let client = handshake(&config, (reader, stdin), &stderr).await?;
+                (client, Some(child))
             }
         };
         Ok(Self {
@@ -353,14 +386,41 @@ impl McpEnv {
     }
 
     fn gone(&mut self, e: &ServiceError) -> EnvError {
-        self.error(format!(
-            "the server is gone (crashed, exited or sent garbage): {e}"
-        ))
+        let message = match &self.config.transport {
+            McpTransport::Stdio { .. } => {
+                format!("the server is gone (crashed, exited or sent garbage): {e}")
+            }
+            McpTransport::Http { url, .. } => format!(
+                "request failed{} (server down, unreachable, HTTP error or garbage): {}",
+                url_unless_named(url, &self.config),
+                error_chain(e)
+            ),
+        };
+        self.error(message)
+    }
+
+    fn closed(&mut self) -> EnvError {
+        let message = match &self.config.transport {
+            McpTransport::Stdio { .. } => "the server is no longer running".to_string(),
+            McpTransport::Http { url, .. } => format!(
+                "the connection is closed{}",
+                url_unless_named(url, &self.config)
+            ),
+        };
+        self.error(message)
+    }
+
+    fn timeout(&self, what: &str) -> EnvError {
+        EnvError::Timeout {
+            server: self.config.name.clone(),
+            tool: what.to_string(),
+            seconds: self.config.call_timeout.as_secs_f64(),
+        }
     }
 
     async fn raw_call(&mut self, call: &ToolCall) -> Result<ToolResponse, EnvError> {
         if self.client.is_closed() {
-            return Err(self.error("the server is no longer running".into()));
+            return Err(self.closed());
         }
         let args = match &call.arguments {
             Value::Object(m) => Some(m.clone()),
@@ -385,10 +445,7 @@ impl McpEnv {
                     call.name,
                     t.as_secs_f64()
                 ))),
-                None => Err(EnvError::Timeout {
-                    tool: call.name.clone(),
-                    seconds: t.as_secs_f64(),
-                }),
+                None => Err(self.timeout(&call.name)),
             },
             Ok(Ok(result)) => Ok(to_response(result)),
             Ok(Err(ServiceError::McpError(e))) => Ok(ToolResponse::Error {
@@ -398,6 +455,168 @@ impl McpEnv {
             Ok(Err(e)) => Err(self.gone(&e)),
         }
     }
+}
+
+/// The rmcp transport for a streamable-HTTP URL, on our own reqwest client: its build can fail
+/// (no system CA certificates for `https`), and rmcp's own default client would panic then.
+fn http_transport(
+    url: &str,
+    headers: &HttpHeaders,
+    connect_timeout: Duration,
+) -> Result<StreamableHttpClientTransport<reqwest::Client>, String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(format!(
+            "`{url}`: a streamable-HTTP endpoint needs an http:// or https:// URL"
+        ));
+    }
+    let mut custom = HashMap::new();
+    for (k, v) in &headers.0 {
+        let name = http::HeaderName::from_bytes(k.trim().as_bytes())
+            .map_err(|e| format!("header name `{k}`: {e}"))?;
+        let mut value =
+            http::HeaderValue::from_str(v.trim()).map_err(|e| format!("header `{k}`: {e}"))?;
+        value.set_sensitive(true);
+        custom.insert(name, value);
+    }
+    // reqwest is built without a bundled crypto provider (see Cargo.toml): install ring unless
+    // something else already installed one.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut builder = reqwest::Client::builder()
+        // As rmcp's default client: no idle pooling (avoids ~40 ms delayed-ACK stalls), and only
+        // same-origin 307/308 redirects (FastMCP answers `/mcp` with a 307 to `/mcp/`).
+        .pool_max_idle_per_host(0)
+        .connect_timeout(connect_timeout)
+        .redirect(reqwest::redirect::Policy::custom(|attempt| {
+            let same_origin = attempt
+                .previous()
+                .first()
+                .is_some_and(|first| first.origin() == attempt.url().origin());
+            let keeps_method = matches!(attempt.status().as_u16(), 307 | 308);
+            if same_origin && keeps_method && attempt.previous().len() < 10 {
+                attempt.follow()
+            } else {
+                attempt.stop()
+            }
+        }));
+    if parsed.scheme() == "http" {
+        // Plain HTTP needs no trust store; don't fail where the system has no CA certificates.
+        builder = builder.tls_certs_only(std::iter::empty::<reqwest::Certificate>());
+    }
+    let client = builder
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client: {}", error_chain(&e)))?;
+    let config = StreamableHttpClientTransportConfig::with_uri(url).custom_headers(custom);
+    Ok(StreamableHttpClientTransport::with_client(client, config))
+}
+
+/// The MCP `initialize` exchange, bounded by the connect timeout.
+async fn handshake<T, E, A>(
+    config: &McpServerConfig,
+    transport: T,
+    stderr: &StderrTail,
+) -> Result<RunningService<RoleClient, ()>, EnvError>
+where
+    T: IntoTransport<RoleClient, E, A>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let err = |message: String| EnvError::Mcp {
+        server: config.name.clone(),
+        message,
+    };
+    let at = match &config.transport {
+        McpTransport::Http { url, .. } => url_unless_named(url, config),
+        McpTransport::Stdio { .. } => String::new(),
+    };
+    let limit = config.connect_timeout.as_secs_f64();
+    match tokio::time::timeout(config.connect_timeout, ().serve(transport)).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => match &config.transport {
+            McpTransport::Stdio { .. } => {
+                // Give the stderr reader a moment to collect the reason.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(err(with_tail(
+                    format!("handshake failed (server exited or answered garbage): {e}"),
+                    stderr,
+                )))
+            }
+            McpTransport::Http { .. } => Err(err(format!(
+                "handshake failed{at} (server down, unreachable, HTTP error or not an MCP \
+                 endpoint): {}",
+                error_chain(&e)
+            ))),
+        },
+        Err(_) => match &config.transport {
+            McpTransport::Stdio { .. } => {
+                let garbage = stderr
+                    .garbage()
+                    .map(|l| format!(" (it wrote non-JSON-RPC output: {l})"))
+                    .unwrap_or_default();
+                Err(err(with_tail(
+                    format!("no valid answer to initialize within {limit:.1}s{garbage}"),
+                    stderr,
+                )))
+            }
+            McpTransport::Http { .. } => Err(err(format!(
+                "no answer to initialize within {limit:.1}s{at} (the server accepted the \
+                 connection but did not reply)"
+            ))),
+        },
+    }
+}
+
+/// ` (URL)` when the server goes by another name (errors always name the server), else nothing.
+fn url_unless_named(url: &str, config: &McpServerConfig) -> String {
+    if url == config.name {
+        String::new()
+    } else {
+        format!(" ({url})")
+    }
+}
+
+type DynError = dyn std::error::Error + 'static;
+
+/// The next error down: `source()`, or the cause rmcp keeps in a field not marked as a source.
+fn cause(e: &DynError) -> Option<&DynError> {
+    if let Some(ClientInitializeError::TransportError { error, .. }) =
+        e.downcast_ref::<ClientInitializeError>()
+    {
+        return Some(error);
+    }
+    if let Some(StreamableHttpError::Client(inner)) =
+        e.downcast_ref::<StreamableHttpError<reqwest::Error>>()
+    {
+        return Some(inner);
+    }
+    e.source()
+}
+
+/// What went wrong on the wire, `a: b: c`: the transport's own error and its causes, each once.
+/// The useful part (`Connection refused`, `HTTP 500`) sits several levels down, under rmcp
+/// wrappers (`Send message error Transport [WorkerTransport<…>] error: …`) that say nothing a
+/// user can act on.
+fn error_chain(e: &DynError) -> String {
+    let mut start = e;
+    let mut next = Some(e);
+    while let Some(c) = next {
+        if let Some(d) = c.downcast_ref::<DynamicTransportError>() {
+            start = d.error.as_ref();
+        }
+        next = cause(c);
+    }
+    let mut out = String::new();
+    let mut next = Some(start);
+    while let Some(c) = next {
+        let m = c.to_string();
+        if !m.is_empty() && !out.contains(&m) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&m);
+        }
+        next = cause(c);
+    }
+    out
 }
 
 fn with_tail(message: String, tail: &StderrTail) -> String {
@@ -501,16 +720,11 @@ impl Environment for McpEnv {
             return Ok(t.clone());
         }
         if self.client.is_closed() {
-            return Err(self.error("the server is no longer running".into()));
+            return Err(self.closed());
         }
         let t = self.config.call_timeout;
         let tools = match tokio::time::timeout(t, self.client.peer().list_all_tools()).await {
-            Err(_) => {
-                return Err(EnvError::Timeout {
-                    tool: "tools/list".into(),
-                    seconds: t.as_secs_f64(),
-                });
-            }
+            Err(_) => return Err(self.timeout("tools/list")),
             Ok(Err(ServiceError::McpError(e))) => {
                 return Err(self.error(format!("tools/list failed: {}", e.message)));
             }
@@ -521,7 +735,10 @@ impl Environment for McpEnv {
         Ok(tools)
     }
 
-    /// Selects a task; the server's own state is not reset (MCP has no reset).
+    /// Selects a task; the server's own state is not reset (MCP has no reset). Over stdio the
+    /// process keeps running; over HTTP there is no process of ours to restart: the same
+    /// session continues, and whatever the server keeps carries over to the next episode. For a
+    /// clean slate, connect anew (a new session) or restart the server out of band.
     async fn reset(&mut self, task_id: Option<&str>) -> Result<(), EnvError> {
         self.task = match task_id {
             None => None,
@@ -688,13 +905,20 @@ pub struct McpTask {
     pub checks: Vec<McpCheck>,
 }
 
-/// An MCP task file: the server to start (optional) and the tasks.
+/// An MCP task file: the server to start or reach (optional) and the tasks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct McpTaskFile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<McpTransport>,
     pub tasks: Vec<McpTask>,
+}
+
+impl McpTaskFile {
+    /// The `server` section as a config to connect with (default timeouts), if there is one.
+    pub fn server_config(&self) -> Option<McpServerConfig> {
+        self.server.clone().map(McpServerConfig::from_transport)
+    }
 }
 
 /// Load an MCP task file; errors name the file, the task and the field.

@@ -134,8 +134,12 @@ pub enum EnvError {
     UnknownTask(String),
     #[error("mcp server `{server}`: {message}")]
     Mcp { server: String, message: String },
-    #[error("tool call `{tool}` timed out after {seconds:.1}s")]
-    Timeout { tool: String, seconds: f64 },
+    #[error("mcp server `{server}`: tool call `{tool}` timed out after {seconds:.1}s")]
+    Timeout {
+        server: String,
+        tool: String,
+        seconds: f64,
+    },
     #[error("{path}: task {task}: field `{field}`: {message}")]
     BadTask {
         path: String,
