@@ -166,7 +166,10 @@ pub struct RunArgs {
     pub task: Option<String>,
     #[command(flatten)]
     pub mcp: McpArgs,
-    /// MCP task file (see docs/TASKS.md).
+    #[command(flatten)]
+    pub headers: envace::env::cli::McpHeaderArgs,
+    /// MCP task file (see docs/TASKS.md); its `server` section is used when --mcp/--mcp-url
+    /// are not given.
     #[arg(long)]
     pub task_file: Option<PathBuf>,
     #[command(flatten)]
@@ -379,6 +382,8 @@ pub struct TuiArgs {
     pub env: Option<String>,
     #[command(flatten)]
     pub mcp: envace::env::cli::McpArgs,
+    #[command(flatten)]
+    pub headers: envace::env::cli::McpHeaderArgs,
     /// Open this session in the debugger at start.
     #[arg(long)]
     pub session: Option<PathBuf>,
@@ -405,6 +410,7 @@ impl Default for TuiArgs {
                 mcp_cwd: None,
                 timeout: 30.0,
             },
+            headers: Default::default(),
             session: None,
             sessions_dir: None,
             theme: None,

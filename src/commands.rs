@@ -64,6 +64,35 @@ fn outcome_json(o: &EpisodeOutcome, session: &Path) -> serde_json::Value {
     })
 }
 
+/// The MCP server and task file of `envace run`: --mcp/--mcp-url, else the task file's
+/// `server` section.
+fn mcp_run_config(
+    a: &RunArgs,
+) -> Result<
+    Option<(
+        envace::env::mcp_client::McpServerConfig,
+        PathBuf,
+        envace::env::mcp_client::McpTaskFile,
+    )>,
+> {
+    let explicit = a.mcp.config_with_headers(&a.headers)?;
+    let Some(file) = a.task_file.clone() else {
+        if explicit.is_some() {
+            bail!("--mcp/--mcp-url need --task-file FILE");
+        }
+        return Ok(None);
+    };
+    let tf = load_mcp_task_file(&file)?;
+    let cfg = match explicit.or_else(|| tf.server_config()) {
+        Some(c) => c,
+        None => bail!(
+            "{}: no server: pass --mcp 'CMD' or --mcp-url URL, or add a `server` section",
+            file.display()
+        ),
+    };
+    Ok(Some((cfg, file, tf)))
+}
+
 pub async fn run(a: RunArgs) -> Result<()> {
     let opts = run_options(&a.mode);
     let (model, profile) = load_model(&a.model, &a.mode)?;
@@ -95,12 +124,8 @@ pub async fn run(a: RunArgs) -> Result<()> {
         )
         .await?;
         (o, path)
-    } else if let Some(cfg) = a.mcp.config()? {
-        let file = a
-            .task_file
-            .as_ref()
-            .context("--mcp needs --task-file FILE")?;
-        let tf = load_mcp_task_file(file)?;
+    } else if let Some((cfg, file, tf)) = mcp_run_config(&a)? {
+        let file = &file;
         let task = match &a.task {
             Some(id) => tf
                 .tasks

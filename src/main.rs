@@ -65,7 +65,7 @@ fn tui(a: cli::TuiArgs) -> Result<()> {
         a.model.display()
     );
     let opts = envace::tui::TuiOptions {
-        mcp: a.mcp.config()?,
+        mcp: a.mcp.config_with_headers(&a.headers)?,
         model: a.model,
         env: a.env,
         session: a.session,
@@ -209,6 +209,7 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
             mcp_cwd: None,
             timeout: 30.0,
         },
+        headers: Default::default(),
         task_file: None,
         mode: cli::ModeArgs {
             mode: envace::engine::runner::ModeChoice::Shadow,
