@@ -492,3 +492,31 @@ fn ctrl_c_cancels_a_run_and_q_quits() {
     assert!(e.contains(&envace::tui::Effect::Quit));
     assert!(app.quit);
 }
+
+#[test]
+fn mouse_wheel_scrolls_the_pane_under_the_pointer_and_clicks_switch_tabs() {
+    use crossterm::event::{MouseButton, MouseEvent, MouseEventKind};
+    let mut app = app();
+    let wheel = |app: &mut App, column, row| {
+        app.update(Msg::Mouse(MouseEvent {
+            kind: MouseEventKind::ScrollDown,
+            column,
+            row,
+            modifiers: KeyModifiers::NONE,
+        }));
+    };
+    let before = app.run.form.clone();
+    wheel(&mut app, 10, 3); // the settings strip: values never change under the wheel
+    assert_eq!(app.run.form, before);
+    wheel(&mut app, 10, 12); // the actor pane
+    assert_eq!(app.run.focus, envace::tui::run_tab::Pane::Actor);
+    assert_eq!(app.run.scroll[0], 1);
+    // Click on "2 Sessions" in the tab bar.
+    app.update(Msg::Mouse(MouseEvent {
+        kind: MouseEventKind::Down(MouseButton::Left),
+        column: 12,
+        row: 0,
+        modifiers: KeyModifiers::NONE,
+    }));
+    assert_eq!(app.tab, Tab::Sessions);
+}

@@ -625,8 +625,22 @@ impl App {
             return Vec::new();
         }
         match m.kind {
-            MouseEventKind::ScrollDown => self.action(Action::Down),
-            MouseEventKind::ScrollUp => self.action(Action::Up),
+            MouseEventKind::ScrollDown | MouseEventKind::ScrollUp => {
+                let a = if m.kind == MouseEventKind::ScrollDown {
+                    Action::Down
+                } else {
+                    Action::Up
+                };
+                // The Run tab scrolls the pane under the pointer (never the settings values).
+                if self.tab == Tab::Run {
+                    self.run
+                        .click(super::ui::body_area(self.area), m.column, m.row);
+                    if self.run.focus == super::run_tab::Pane::Settings {
+                        return Vec::new();
+                    }
+                }
+                self.action(a)
+            }
             MouseEventKind::Down(MouseButton::Left) => {
                 if m.row == 0 {
                     // Tab bar: " Run │ Sessions │ …" — find the title under the click.

@@ -256,7 +256,10 @@ fn perform(ctx: &mut Ctx, e: Effect) {
                         }
                         send(&tx, Msg::ModelLoaded(Ok(info)));
                     }
-                    Err(e) => send(&tx, Msg::ModelLoaded(Err((path, e)))),
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), error = %e, "model load failed");
+                        send(&tx, Msg::ModelLoaded(Err((path, e))))
+                    }
                 }
                 if let Some(r) = super::models_tab::rss_mb() {
                     send(&tx, Msg::Memory { rss_mb: r });
@@ -306,6 +309,7 @@ fn perform(ctx: &mut Ctx, e: Effect) {
         }
         Effect::CancelLoad => ctx.load_cancel.cancel(),
         Effect::DeleteSession(p) => {
+            tracing::info!(path = %p.display(), "delete session");
             if let Err(e) = std::fs::remove_file(&p) {
                 send(
                     &tx,
@@ -335,7 +339,10 @@ fn perform(ctx: &mut Ctx, e: Effect) {
                 send(&tx, Msg::TokensDecoded { event, tokens });
             });
         }
-        Effect::StartRun(req) => start_run(ctx, Job::Run(req)),
+        Effect::StartRun(req) => {
+            tracing::info!(?req, "run");
+            start_run(ctx, Job::Run(req))
+        }
         Effect::Fork {
             spec,
             opts,
@@ -372,9 +379,11 @@ fn perform(ctx: &mut Ctx, e: Effect) {
         Effect::StartTraining(req) => {
             ctx.train_cancel = CancelToken::new();
             let cancel = ctx.train_cancel.clone();
+            tracing::info!(?req, "training");
             std::thread::spawn(move || {
                 let out = req.out.clone();
                 let r = train(&req, &tx, &cancel);
+                tracing::info!(?r, "training ended");
                 send(&tx, Msg::Checkpoints(scan_checkpoints(&out)));
                 send(&tx, Msg::TrainFinished(r));
             });
@@ -590,6 +599,10 @@ fn start_run(ctx: &mut Ctx, job: Job) {
         };
         // Deliver every streamed event before the result.
         let _ = handle.block_on(forward);
+        match &result {
+            Ok(r) => tracing::info!(session = %session.display(), reward = r, "episode finished"),
+            Err(e) => tracing::error!(session = %session.display(), error = %e, "episode failed"),
+        }
         send(&tx, Msg::RunFinished { session, result });
     });
 }
