@@ -153,6 +153,24 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     let s = t.wait_for("approval_requested", 10);
     assert!(s.contains("\"irreversible\": true"), "{s}");
 
+    // Fork at the approval request and re-run with the current model: the call is asked again.
+    t.send(&["f"]);
+    let s = t.wait_for("Approval needed", 120);
+    assert!(s.contains("fork of"), "{s}");
+    t.send(&["a"]);
+    t.wait_for("episode finished", 120);
+    let fork = std::fs::read_dir(&sessions)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.to_string_lossy().contains(".fork-1."))
+        .expect("the fork is saved beside the original");
+    let text = std::fs::read_to_string(&fork).unwrap();
+    assert!(
+        text.lines().next().unwrap().contains("\"forked_from\""),
+        "{text}"
+    );
+
     // Quit restores the terminal and exits 0.
     t.send(&["q"]);
     let s = t.wait_for("ENVACE-EXITED", 20);

@@ -405,6 +405,21 @@ struct ChannelSink {
 
 impl MetricsSink for ChannelSink {
     fn record(&mut self, m: &StepMetrics) {
+        let v = |k: &str| m.get(k).unwrap_or(f64::NAN);
+        send(
+            &self.tx,
+            Msg::TrainLog(format!(
+                "step {}: reward {:.3} (actor {:.3}, simulator {:.3}) loss {:.4} rows {} · {:.0} tok/s · {:.1} s",
+                m.step,
+                v("reward"),
+                v("reward_actor"),
+                v("reward_simulator"),
+                v("loss"),
+                v("rows"),
+                v("tokens_per_s"),
+                v("seconds")
+            )),
+        );
         send(&self.tx, Msg::TrainMetrics(m.clone()));
         send(&self.tx, Msg::Checkpoints(scan_checkpoints(&self.out)));
     }
