@@ -133,6 +133,34 @@ pub struct ModeArgs {
     pub temperature: f64,
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
+    /// Private Rehearsal memory: compact (one line per branch), full (every step), json.
+    #[arg(long, value_enum, default_value = "compact")]
+    pub memory_format: MemoryFormatArg,
+    /// Which branches the memory keeps: all, success-first:K, failures-only:K.
+    #[arg(long, default_value = "all")]
+    pub memory_select: String,
+    /// Where the memory goes: user (a note after the conversation) or system (prompt suffix).
+    #[arg(long, value_enum, default_value = "user")]
+    pub memory_placement: MemoryPlacementArg,
+    /// How far an imagined branch runs: a number of actor turns, or `end`.
+    #[arg(long, default_value = "2")]
+    pub rehearsal_depth: String,
+    /// Sampling temperature of the imagined turns and simulations.
+    #[arg(long, default_value_t = 0.3)]
+    pub rehearsal_temperature: f64,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum MemoryFormatArg {
+    Compact,
+    Full,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum MemoryPlacementArg {
+    User,
+    System,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]

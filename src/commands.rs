@@ -23,6 +23,50 @@ use envace::env::tasks::{Split, find_builtin};
 use envace::runtime::{CancelToken, LocalModel};
 use envace::session::{SessionWriter, default_sessions_dir, replay_text, resolve_session_path};
 
+/// The Private Rehearsal knobs of `m`.
+pub fn rehearsal_tuning(m: &ModeArgs) -> Result<envace::engine::runner::RehearsalTuning> {
+    use crate::cli::{MemoryFormatArg, MemoryPlacementArg};
+    use envace::engine::types::{MemoryFormat, MemoryPlacement, MemorySelection, RehearsalDepth};
+    let mut t = envace::engine::runner::RehearsalTuning::default();
+    t.memory.format = match m.memory_format {
+        MemoryFormatArg::Compact => MemoryFormat::Compact,
+        MemoryFormatArg::Full => MemoryFormat::Full,
+        MemoryFormatArg::Json => MemoryFormat::Json,
+    };
+    t.memory.placement = match m.memory_placement {
+        MemoryPlacementArg::User => MemoryPlacement::UserMessage,
+        MemoryPlacementArg::System => MemoryPlacement::SystemSuffix,
+    };
+    let k = |s: &str| -> Result<usize> {
+        s.parse::<usize>()
+            .ok()
+            .filter(|k| *k > 0)
+            .with_context(|| format!("--memory-select: `{s}` is not a count ≥ 1"))
+    };
+    t.memory.selection = match m.memory_select.split_once(':') {
+        None if m.memory_select == "all" => MemorySelection::All,
+        Some(("success-first", n)) => MemorySelection::SuccessFirst(k(n)?),
+        Some(("failures-only", n)) => MemorySelection::FailuresOnly(k(n)?),
+        _ => bail!(
+            "--memory-select `{}`: expected all, success-first:K or failures-only:K",
+            m.memory_select
+        ),
+    };
+    t.depth =
+        match m.rehearsal_depth.as_str() {
+            "end" => RehearsalDepth::ToEnd,
+            n => RehearsalDepth::Turns(n.parse::<u32>().ok().filter(|d| *d > 0).with_context(
+                || format!("--rehearsal-depth `{n}`: expected a number ≥ 1 or `end`"),
+            )?),
+        };
+    anyhow::ensure!(
+        m.rehearsal_temperature >= 0.0,
+        "--rehearsal-temperature must be ≥ 0"
+    );
+    t.temperature = m.rehearsal_temperature;
+    Ok(t)
+}
+
 pub fn run_options(m: &ModeArgs) -> RunOptions {
     RunOptions {
         mode: m.mode,
@@ -43,7 +87,15 @@ pub fn run_options(m: &ModeArgs) -> RunOptions {
         seed: m.seed,
         max_turns: m.max_turns,
         temperature: m.temperature,
+        // Validated by `checked_run_options`; invalid values fall back to the defaults here.
+        rehearsal: rehearsal_tuning(m).unwrap_or_default(),
     }
+}
+
+/// [`run_options`], refusing invalid rehearsal knobs with a message naming the flag.
+pub fn checked_run_options(m: &ModeArgs) -> Result<RunOptions> {
+    rehearsal_tuning(m)?;
+    Ok(run_options(m))
 }
 
 /// Load a model and its prompt profile.
@@ -94,7 +146,7 @@ fn mcp_run_config(
 }
 
 pub async fn run(a: RunArgs) -> Result<()> {
-    let opts = run_options(&a.mode);
+    let opts = checked_run_options(&a.mode)?;
     let (model, profile) = load_model(&a.model, &a.mode)?;
     let cancel = CancelToken::new();
     let mut approver = PolicyApprover(opts.approve);
@@ -187,7 +239,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
 pub async fn eval(a: EvalArgs) -> Result<()> {
     if let (Some(dir), Some(cat)) = (&a.bfcl, &a.category) {
         let entries = envace::env::bfcl::load_category(dir, cat)?;
-        let opts = run_options(&a.mode);
+        let opts = checked_run_options(&a.mode)?;
         let (model, profile) = load_model(&a.model, &a.mode)?;
         let t0 = std::time::Instant::now();
         let report = envace::engine::runner::eval_bfcl_live(
@@ -230,7 +282,7 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         "test" => Split::Test,
         other => bail!("--split: `{other}` (train or test)"),
     };
-    let opts = run_options(&a.mode);
+    let opts = checked_run_options(&a.mode)?;
     let (model, profile) = load_model(&a.model, &a.mode)?;
     let dir: PathBuf = match &a.sessions {
         Some(d) => d.clone(),
@@ -432,7 +484,7 @@ pub async fn fork(a: ForkArgs) -> Result<()> {
         at_event: a.at.clone(),
         edit,
     };
-    let opts = run_options(&a.mode);
+    let opts = checked_run_options(&a.mode)?;
     let (model, profile) = load_model(&a.model, &a.mode)?;
     let out = a.out.clone().unwrap_or_else(|| fork_path(&a.session));
     let mut approver = PolicyApprover(opts.approve);

@@ -392,6 +392,14 @@ pub fn run_options_of(header: &SessionHeader) -> RunOptions {
         rehearse_on: rehearsal.as_ref().map_or(base.rehearse_on, |r| r.trigger),
         max_turns: cfg.max_turns,
         temperature: cfg.actor_sampling.temperature,
+        rehearsal: rehearsal
+            .as_ref()
+            .map(|r| crate::engine::runner::RehearsalTuning {
+                depth: r.depth,
+                memory: r.memory.clone(),
+                temperature: r.sampling.temperature,
+            })
+            .unwrap_or_default(),
         ..base
     }
 }

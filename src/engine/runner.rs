@@ -16,8 +16,8 @@ use crate::engine::fsm::{Engine, EngineError, EpisodeOutcome, played_calls};
 use crate::engine::profile::PromptProfile;
 use crate::engine::spec::task_spec;
 use crate::engine::types::{
-    EngineConfig, EpisodeSpec, LiveOptions, Mode, PrivateRehearsal, RehearsalStrategy,
-    RehearsalTrigger,
+    EngineConfig, EpisodeSpec, LiveOptions, MemoryConfig, Mode, PrivateRehearsal, RehearsalDepth,
+    RehearsalStrategy, RehearsalTrigger,
 };
 use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
@@ -50,6 +50,29 @@ pub struct RunOptions {
     pub max_turns: u32,
     /// Actor sampling temperature (0 = greedy).
     pub temperature: f64,
+    /// How Private Rehearsal imagines and what its memory looks like.
+    #[serde(default)]
+    pub rehearsal: RehearsalTuning,
+}
+
+/// Private Rehearsal knobs beyond N, strategy and trigger (defaults: `PrivateRehearsal`'s).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RehearsalTuning {
+    pub depth: RehearsalDepth,
+    pub memory: MemoryConfig,
+    /// Sampling temperature of the imagined turns and simulations.
+    pub temperature: f64,
+}
+
+impl Default for RehearsalTuning {
+    fn default() -> Self {
+        let d = PrivateRehearsal::default();
+        Self {
+            depth: d.depth,
+            memory: d.memory,
+            temperature: d.sampling.temperature,
+        }
+    }
 }
 
 impl Default for RunOptions {
@@ -63,6 +86,7 @@ impl Default for RunOptions {
             seed: 0,
             max_turns: 8,
             temperature: 0.0,
+            rehearsal: RehearsalTuning::default(),
         }
     }
 }
@@ -95,11 +119,19 @@ pub fn engine_config(
     profile: Option<&PromptProfile>,
 ) -> Result<EngineConfig, RunError> {
     let live = || LiveOptions {
-        private_rehearsal: (opts.rehearsals > 0).then(|| PrivateRehearsal {
-            branches: opts.rehearsals,
-            strategy: opts.rehearsal_mode,
-            trigger: opts.rehearse_on,
-            ..PrivateRehearsal::default()
+        private_rehearsal: (opts.rehearsals > 0).then(|| {
+            let d = PrivateRehearsal::default();
+            PrivateRehearsal {
+                branches: opts.rehearsals,
+                strategy: opts.rehearsal_mode,
+                trigger: opts.rehearse_on,
+                depth: opts.rehearsal.depth,
+                memory: opts.rehearsal.memory.clone(),
+                sampling: crate::runtime::SamplingParams {
+                    temperature: opts.rehearsal.temperature,
+                    ..d.sampling
+                },
+            }
         }),
         ..LiveOptions::default()
     };

@@ -197,6 +197,7 @@ impl RunTab {
             seed: self.form.number("seed") as u64,
             max_turns: self.form.number("turns") as u32,
             temperature: 0.0,
+            rehearsal: Default::default(),
         }
     }
 
