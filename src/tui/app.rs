@@ -840,10 +840,14 @@ impl App {
             },
             Tab::Sessions => match a {
                 Action::Confirm => match self.sessions.selected_path() {
-                    Some(p) => vec![Effect::LoadSession {
-                        path: p,
-                        slot: Slot::Primary,
-                    }],
+                    Some(p) => {
+                        // Opening one session leaves any diff.
+                        self.debugger.diff = false;
+                        vec![Effect::LoadSession {
+                            path: p,
+                            slot: Slot::Primary,
+                        }]
+                    }
                     None => Vec::new(),
                 },
                 Action::Delete => {
