@@ -293,6 +293,19 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             .map_err(|m| TrainError::Checkpoint(format!("{}: {m}", l.dir.display())))?;
         step = l.state.step;
     }
+    sink.log(&match &model.lora {
+        Some(a) => format!(
+            "LoRA r={} alpha={} on {}: {} trainable parameters (base frozen)",
+            a.r,
+            a.lora_alpha,
+            a.target_modules.join(","),
+            model.trainable_parameters()
+        ),
+        None => format!(
+            "full fine-tuning: {} trainable parameters",
+            model.trainable_parameters()
+        ),
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -559,6 +572,11 @@ fn deep_copy(d: &Decoder) -> Result<Decoder, TrainError> {
         }
         if let Some(b) = &l.bias {
             l.bias = Some(cp(b)?);
+        }
+        // LoRA: the adapters are the policy's Vars; the reference keeps their starting values.
+        if let Some(lora) = l.lora.as_mut() {
+            lora.a = cp(&lora.a)?;
+            lora.b = cp(&lora.b)?;
         }
         Ok(())
     };
