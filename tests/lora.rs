@@ -382,12 +382,15 @@ fn lora_grpo_runs_two_steps_and_its_adapter_checkpoint_resumes() {
     use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
     let src = bundled();
     let cfg = LoraConfig::new(8, None, "", 0).unwrap();
+    // Real mode, seed 3: step 1 has no reward signal (no optimizer step), step 2 has some, so
+    // the resumed step 2 must restore the optimizer's own step count, not the trainer's.
     let grpo = GrpoConfig {
         steps: 2,
-        batch: 1,
-        group: 3,
+        batch: 4,
+        group: 4,
         lr: 1e-3,
-        mode: ModeChoice::Rehearse,
+        seed: 3,
+        mode: ModeChoice::Real,
         checkpoint_every: 1,
         ..Default::default()
     };
@@ -413,6 +416,8 @@ fn lora_grpo_runs_two_steps_and_its_adapter_checkpoint_resumes() {
         "{:?}",
         sink.lines
     );
+    assert_eq!(sink.steps[0].get("rows_with_signal"), Some(0.0));
+    assert!(sink.steps[1].get("rows_with_signal").unwrap() > 0.0);
     assert_eq!(decoder_weights(&model.decoder), before, "the base moved");
     let ck = out.path().join("checkpoint-1");
     for d in [&ck, &out.path().join("final")] {
