@@ -32,8 +32,11 @@ pub enum Command {
     Demo(DemoArgs),
     /// Train the bundled model from scratch on the built-in domains (tokenizer + SFT).
     Pretrain(PretrainArgs),
-    /// Role-wise GRPO (EnvACE world rehearsal) on a domain's train split.
+    /// Role-wise GRPO (EnvACE world rehearsal) on a domain's train split, or `train sft` on
+    /// collected sessions; full fine-tuning or LoRA (`--lora R`).
     Train(TrainArgs),
+    /// Fold a LoRA adapter into its base model: writes a plain HF checkpoint.
+    Merge(MergeArgs),
     /// Task environments: built-in domains and MCP servers.
     Env {
         #[command(subcommand)]
@@ -355,8 +358,26 @@ pub struct PretrainArgs {
     pub json: bool,
 }
 
+/// LoRA flags shared by `train` and `train sft`.
+#[derive(Debug, Args, Clone)]
+pub struct LoraArgs {
+    /// Train a LoRA adapter of this rank instead of every weight (the base stays frozen).
+    #[arg(long, value_name = "R")]
+    pub lora: Option<usize>,
+    /// LoRA alpha (the update is scaled by alpha/r); default 2·r.
+    #[arg(long, requires = "lora")]
+    pub lora_alpha: Option<f64>,
+    /// Adapted projections (comma-separated): q_proj, k_proj, v_proj, o_proj, gate_proj,
+    /// up_proj, down_proj.
+    #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj", requires = "lora")]
+    pub lora_targets: String,
+}
+
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct TrainArgs {
+    #[command(subcommand)]
+    pub command: Option<TrainCommand>,
     #[arg(long, default_value = "models/envace-tiny")]
     pub model: PathBuf,
     /// Domains to train on (comma-separated).
@@ -375,8 +396,9 @@ pub struct TrainArgs {
     /// Tasks per step.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
-    #[arg(long, default_value_t = 1e-4)]
-    pub lr: f64,
+    /// Learning rate (default 1e-4; 1e-3 with --lora).
+    #[arg(long)]
+    pub lr: Option<f64>,
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f64,
     #[arg(long, default_value_t = 0.0)]
@@ -390,13 +412,75 @@ pub struct TrainArgs {
     /// Wall-clock budget in minutes.
     #[arg(long)]
     pub minutes: Option<f64>,
+    #[command(flatten)]
+    pub lora: LoraArgs,
+    #[arg(long, required = true)]
+    pub out: Option<PathBuf>,
+    /// Continue from a checkpoint directory written by this command (a LoRA run's checkpoint
+    /// continues the LoRA run).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TrainCommand {
+    /// Supervised fine-tuning on collected session files.
+    Sft(Box<SftArgs>),
+}
+
+/// `envace train sft`.
+#[derive(Debug, Args)]
+pub struct SftArgs {
+    #[arg(long, default_value = "models/envace-tiny")]
+    pub model: PathBuf,
+    /// Session files: a file, a directory (its *.jsonl) or a glob such as 'sessions/*.jsonl'.
+    #[arg(long)]
+    pub sessions: String,
     #[arg(long)]
     pub out: PathBuf,
+    #[arg(long, default_value_t = 100)]
+    pub steps: usize,
+    /// Learning rate (default 1e-4; 1e-3 with --lora).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Rows per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Which generations to imitate (comma-separated): actor, simulator.
+    #[arg(long, default_value = "actor,simulator")]
+    pub roles: String,
+    /// Keep rows of episodes whose reward is at least this. Simulator rows whose call reached
+    /// the real environment (shadow mode) are relabelled with the real response and kept
+    /// whatever the reward; rehearsal-branch rows are never used.
+    #[arg(long, default_value_t = 1.0)]
+    pub min_reward: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: usize,
+    #[command(flatten)]
+    pub lora: LoraArgs,
     /// Continue from a checkpoint directory written by this command.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
+}
+
+/// `envace merge`.
+#[derive(Debug, Args)]
+pub struct MergeArgs {
+    /// The base HF checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The adapter directory (adapter_config.json + adapter_model.safetensors).
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// Output directory (written atomically).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 /// `envace tui`.

@@ -22,7 +22,12 @@ fn main() -> Result<()> {
         Some(Command::Demo(a)) => demo(a.model),
         Some(Command::Generate(a)) => generate(a),
         Some(Command::Pretrain(a)) => pretrain(a),
+        Some(Command::Train(cli::TrainArgs {
+            command: Some(cli::TrainCommand::Sft(a)),
+            ..
+        })) => commands::train_sft(*a),
         Some(Command::Train(a)) => commands::train(a),
+        Some(Command::Merge(a)) => commands::merge(a),
         Some(Command::Env { command }) => tokio_runtime()?.block_on(env_cli::run_env(command)),
         Some(Command::Tasks(args)) => env_cli::run_tasks(args),
         Some(Command::Eval(EvalArgs {

@@ -35,12 +35,23 @@ pub enum LogitsAt {
     All,
 }
 
-/// A low-rank adapter on a dense projection: y += (alpha/r) · (x Aᵀ) Bᵀ.
+/// A low-rank adapter on a projection: y += (alpha/r) · (x Aᵀ) Bᵀ, with A (r × in) and
+/// B (out × r). Plain matmuls, so the same hook serves [`Pass::Infer`] and [`Pass::Train`]; when
+/// A and B are `Var`s they are the only tensors of the projection that receive gradients.
 #[derive(Debug, Clone)]
 pub struct LoraWeights {
     pub a: Tensor,
     pub b: Tensor,
     pub scale: f64,
+}
+
+impl LoraWeights {
+    /// The dense update `scale · B A` (out × in), in f32.
+    pub fn delta(&self) -> Result<Tensor> {
+        let a = self.a.to_dtype(DType::F32)?;
+        let b = self.b.to_dtype(DType::F32)?;
+        b.matmul(&a)? * self.scale
+    }
 }
 
 /// A projection's weight, dense or quantized.
@@ -85,6 +96,18 @@ impl Linear {
                 QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2(),
             },
         }
+    }
+
+    /// Fold the adapter into a dense weight (`W + scale · B A`, computed in f32) and drop it.
+    /// Quantized projections keep their adapter attached (there is no dense weight to fold into).
+    pub fn merge_lora(&mut self) -> Result<()> {
+        let (Weight::Dense(w), Some(l)) = (&self.weight, &self.lora) else {
+            return Ok(());
+        };
+        let merged = (w.to_dtype(DType::F32)? + l.delta()?)?.to_dtype(w.dtype())?;
+        self.weight = Weight::Dense(merged);
+        self.lora = None;
+        Ok(())
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -417,6 +440,23 @@ impl Decoder {
             out.push((format!("{p}.mlp.gate_proj"), &l.mlp.gate_proj));
             out.push((format!("{p}.mlp.up_proj"), &l.mlp.up_proj));
             out.push((format!("{p}.mlp.down_proj"), &l.mlp.down_proj));
+        }
+        out
+    }
+
+    /// [`Decoder::named_linears`], mutable (attaching or merging adapters).
+    pub fn named_linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            let Layer { self_attn, mlp, .. } = l;
+            out.push((format!("{p}.self_attn.q_proj"), &mut self_attn.q_proj));
+            out.push((format!("{p}.self_attn.k_proj"), &mut self_attn.k_proj));
+            out.push((format!("{p}.self_attn.v_proj"), &mut self_attn.v_proj));
+            out.push((format!("{p}.self_attn.o_proj"), &mut self_attn.o_proj));
+            out.push((format!("{p}.mlp.gate_proj"), &mut mlp.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &mut mlp.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &mut mlp.down_proj));
         }
         out
     }

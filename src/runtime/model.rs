@@ -1,12 +1,14 @@
 //! `LocalModel`: a checkpoint directory or GGUF file loaded into the decoder, with its tokenizer,
 //! chat template and EOS ids, implementing [`LanguageModel`]. Keeps a few recent prompt
 //! prefixes so that a growing conversation is not prefilled from scratch on every turn.
+//! A PEFT LoRA adapter directory loads as its base model with the adapter folded in.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{DType, Device};
 use serde_json::Value;
+use sha2::Digest;
 
 use super::backend::{
     CancelToken, Generation, LanguageModel, ModelInfo, RuntimeError, SamplingParams, StreamSink,
@@ -15,7 +17,10 @@ use super::chat_template::{ChatTemplate, from_tokenizer_config};
 use super::decoder::Decoder;
 use super::device::{DeviceChoice, default_dtype, describe};
 use super::generate::{GenContext, Prefix, generate_batch};
-use super::loader::{CheckpointFiles, hash_files, load_gguf, load_hf};
+use super::loader::{
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointFiles, attach_adapter, hash_files, is_adapter_dir,
+    load_gguf, load_hf, read_adapter,
+};
 use super::tokenizer::Tokenizer;
 use crate::message::Message;
 
@@ -68,6 +73,9 @@ impl LocalModel {
         if path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf") {
             return Self::load_gguf(path, device);
         }
+        if is_adapter_dir(path) {
+            return Self::load_adapter(path, device, dtype);
+        }
         if !path.exists() {
             return Err(RuntimeError::File {
                 path: path.display().to_string(),
@@ -116,6 +124,45 @@ impl LocalModel {
             hash,
             &files.tokenizer,
         )
+    }
+
+    /// A PEFT LoRA adapter directory: its base (`base_model_name_or_path`) with the adapter
+    /// folded into the dense weights (attached, unmerged, on quantized bases). The tokenizer and
+    /// template are the base's; the hash covers the base and the adapter.
+    fn load_adapter(
+        dir: &Path,
+        device: &Device,
+        dtype: Option<DType>,
+    ) -> Result<Self, RuntimeError> {
+        let (cfg, tensors) = read_adapter(dir)?;
+        let base_dir = cfg.resolve_base(dir)?;
+        if is_adapter_dir(&base_dir) {
+            return Err(RuntimeError::Field {
+                path: dir.join(ADAPTER_CONFIG).display().to_string(),
+                field: "base_model_name_or_path".into(),
+                message: format!("{} is itself an adapter", base_dir.display()),
+            });
+        }
+        let mut model = Self::load_on(&base_dir, device, dtype)?;
+        let dt = model.decoder.dtype;
+        let tensors = tensors
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.to_dtype(dt)?.to_device(device)?)))
+            .collect::<candle_core::Result<_>>()?;
+        attach_adapter(
+            &mut model.decoder,
+            &cfg,
+            &tensors,
+            &dir.join(ADAPTER_WEIGHTS),
+            true,
+        )?;
+        let adapter_hash = hash_files(&[dir.join(ADAPTER_CONFIG), dir.join(ADAPTER_WEIGHTS)])?;
+        model.hash = hex::encode(sha2::Sha256::digest(
+            format!("{}+{adapter_hash}", model.hash).as_bytes(),
+        ));
+        model.path = dir.to_path_buf();
+        model.prefixes.clear();
+        Ok(model)
     }
 
     fn load_gguf(path: &Path, device: &Device) -> Result<Self, RuntimeError> {

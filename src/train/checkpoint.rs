@@ -2,6 +2,8 @@
 //! visible; a previous checkpoint of the same name is swapped out only after the new one is
 //! complete. A checkpoint holds an HF model directory (loadable by the runtime) plus, for
 //! resuming, `optimizer.safetensors` and `trainer_state.json` (step, RNG state, data order).
+//! A LoRA run's checkpoint holds a PEFT adapter (`adapter_config.json`,
+//! `adapter_model.safetensors`) in place of the model weights.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +14,7 @@ use serde_json::Value;
 
 use crate::runtime::config::DecoderConfig;
 use crate::runtime::fixture::tokenizer_config_json;
+use crate::runtime::loader::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig};
 
 /// Checkpoint errors name the directory and file.
 #[derive(Debug, thiserror::Error)]
@@ -42,14 +45,11 @@ pub struct TrainerState {
     pub metrics: Value,
 }
 
-/// Write a checkpoint directory atomically.
-pub fn save(
+/// Build a directory atomically: `fill` writes into `NAME.tmp/`, which then replaces `dir` (a
+/// previous `dir` is moved aside first and removed only once the new one is in place).
+pub fn write_atomically(
     dir: &Path,
-    cfg: &DecoderConfig,
-    weights: &HashMap<String, Tensor>,
-    tokenizer_json: &Path,
-    optimizer: Option<&HashMap<String, Tensor>>,
-    state: &TrainerState,
+    fill: impl FnOnce(&Path) -> Result<(), CheckpointError>,
 ) -> Result<(), CheckpointError> {
     let name = dir
         .file_name()
@@ -63,48 +63,7 @@ pub fn save(
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    let write_json = |file: &str, v: &Value| -> Result<(), CheckpointError> {
-        let p = tmp.join(file);
-        let text = serde_json::to_string_pretty(v).map_err(|e| io(&p, e))?;
-        std::fs::write(&p, text).map_err(|e| io(&p, e))
-    };
-    write_json("config.json", &cfg.to_hf_json())?;
-    write_json(
-        "generation_config.json",
-        &serde_json::json!({"eos_token_id": cfg.eos_token_ids, "do_sample": false}),
-    )?;
-    let tc_src = tokenizer_json.with_file_name("tokenizer_config.json");
-    if tc_src.is_file() {
-        std::fs::copy(&tc_src, tmp.join("tokenizer_config.json")).map_err(|e| io(&tc_src, e))?;
-    } else {
-        write_json("tokenizer_config.json", &tokenizer_config_json())?;
-    }
-    std::fs::copy(tokenizer_json, tmp.join("tokenizer.json")).map_err(|e| io(tokenizer_json, e))?;
-    // The prompt profile the model was trained with travels with every checkpoint.
-    let profile = tokenizer_json.with_file_name("envace.json");
-    if profile.is_file() {
-        std::fs::copy(&profile, tmp.join("envace.json")).map_err(|e| io(&profile, e))?;
-    }
-    let cpu: HashMap<String, Tensor> = weights
-        .iter()
-        .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
-        .collect::<candle_core::Result<_>>()
-        .map_err(|e| io(dir, e))?;
-    candle_core::safetensors::save(&cpu, tmp.join("model.safetensors")).map_err(|e| io(&tmp, e))?;
-    if let Some(opt) = optimizer {
-        let cpu: HashMap<String, Tensor> = opt
-            .iter()
-            .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
-            .collect::<candle_core::Result<_>>()
-            .map_err(|e| io(dir, e))?;
-        candle_core::safetensors::save(&cpu, tmp.join("optimizer.safetensors"))
-            .map_err(|e| io(&tmp, e))?;
-    }
-    // trainer_state.json is written last: its presence marks a complete checkpoint.
-    write_json(
-        "trainer_state.json",
-        &serde_json::to_value(state).map_err(|e| io(dir, e))?,
-    )?;
+    fill(&tmp)?;
     if dir.exists() {
         let old = parent.join(format!("{name}.old"));
         if old.exists() {
@@ -119,6 +78,102 @@ pub fn save(
     Ok(())
 }
 
+/// Write `v` as pretty JSON to `dir/file`.
+pub fn write_json(dir: &Path, file: &str, v: &Value) -> Result<(), CheckpointError> {
+    let p = dir.join(file);
+    let text = serde_json::to_string_pretty(v).map_err(|e| io(&p, e))?;
+    std::fs::write(&p, text).map_err(|e| io(&p, e))
+}
+
+/// Copy `tokenizer.json`, `tokenizer_config.json` (a default one when absent) and the prompt
+/// profile `envace.json` (when present) from beside `tokenizer_json` into `dir`.
+pub fn copy_tokenizer_files(dir: &Path, tokenizer_json: &Path) -> Result<(), CheckpointError> {
+    let tc_src = tokenizer_json.with_file_name("tokenizer_config.json");
+    if tc_src.is_file() {
+        std::fs::copy(&tc_src, dir.join("tokenizer_config.json")).map_err(|e| io(&tc_src, e))?;
+    } else {
+        write_json(dir, "tokenizer_config.json", &tokenizer_config_json())?;
+    }
+    std::fs::copy(tokenizer_json, dir.join("tokenizer.json")).map_err(|e| io(tokenizer_json, e))?;
+    // The prompt profile the model was trained with travels with every checkpoint.
+    let profile = tokenizer_json.with_file_name("envace.json");
+    if profile.is_file() {
+        std::fs::copy(&profile, dir.join("envace.json")).map_err(|e| io(&profile, e))?;
+    }
+    Ok(())
+}
+
+/// Save named tensors (moved to the CPU) as `dir/file`.
+pub fn save_tensors(
+    dir: &Path,
+    file: &str,
+    tensors: &HashMap<String, Tensor>,
+) -> Result<(), CheckpointError> {
+    let cpu: HashMap<String, Tensor> = tensors
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
+        .collect::<candle_core::Result<_>>()
+        .map_err(|e| io(dir, e))?;
+    candle_core::safetensors::save(&cpu, dir.join(file)).map_err(|e| io(&dir.join(file), e))
+}
+
+/// Write a checkpoint directory atomically.
+pub fn save(
+    dir: &Path,
+    cfg: &DecoderConfig,
+    weights: &HashMap<String, Tensor>,
+    tokenizer_json: &Path,
+    optimizer: Option<&HashMap<String, Tensor>>,
+    state: &TrainerState,
+) -> Result<(), CheckpointError> {
+    write_atomically(dir, |tmp| {
+        write_json(tmp, "config.json", &cfg.to_hf_json())?;
+        write_json(
+            tmp,
+            "generation_config.json",
+            &serde_json::json!({"eos_token_id": cfg.eos_token_ids, "do_sample": false}),
+        )?;
+        copy_tokenizer_files(tmp, tokenizer_json)?;
+        save_tensors(tmp, "model.safetensors", weights)?;
+        if let Some(opt) = optimizer {
+            save_tensors(tmp, "optimizer.safetensors", opt)?;
+        }
+        // trainer_state.json is written last: its presence marks a complete checkpoint.
+        write_json(
+            tmp,
+            "trainer_state.json",
+            &serde_json::to_value(state).map_err(|e| io(dir, e))?,
+        )
+    })
+}
+
+/// Write a LoRA checkpoint directory atomically: the adapter as PEFT writes it
+/// (`adapter_config.json`, `adapter_model.safetensors`), the tokenizer files and prompt profile
+/// (so that the directory loads as a model: base + adapter), the adapter's optimizer state and
+/// the trainer state. No `config.json`: the base model is named in `adapter_config.json`.
+pub fn save_adapter(
+    dir: &Path,
+    cfg: &AdapterConfig,
+    adapter: &HashMap<String, Tensor>,
+    tokenizer_json: &Path,
+    optimizer: Option<&HashMap<String, Tensor>>,
+    state: &TrainerState,
+) -> Result<(), CheckpointError> {
+    write_atomically(dir, |tmp| {
+        write_json(tmp, ADAPTER_CONFIG, &cfg.to_peft_json())?;
+        copy_tokenizer_files(tmp, tokenizer_json)?;
+        save_tensors(tmp, ADAPTER_WEIGHTS, adapter)?;
+        if let Some(opt) = optimizer {
+            save_tensors(tmp, "optimizer.safetensors", opt)?;
+        }
+        write_json(
+            tmp,
+            "trainer_state.json",
+            &serde_json::to_value(state).map_err(|e| io(dir, e))?,
+        )
+    })
+}
+
 /// Save a trainer's model and optimizer with `state` (what SFT and GRPO both write).
 pub fn save_trainer(
     dir: &Path,
@@ -127,14 +182,24 @@ pub fn save_trainer(
     tokenizer_json: &Path,
     state: &TrainerState,
 ) -> Result<(), CheckpointError> {
-    save(
-        dir,
-        &model.decoder.cfg,
-        &model.weights(),
-        tokenizer_json,
-        Some(&opt.state_tensors()),
-        state,
-    )
+    match &model.lora {
+        Some(cfg) => save_adapter(
+            dir,
+            cfg,
+            &model.weights(),
+            tokenizer_json,
+            Some(&opt.state_tensors()),
+            state,
+        ),
+        None => save(
+            dir,
+            &model.decoder.cfg,
+            &model.weights(),
+            tokenizer_json,
+            Some(&opt.state_tensors()),
+            state,
+        ),
+    }
 }
 
 /// A checkpoint read back for resuming.
@@ -160,14 +225,26 @@ pub fn load_for_resume(dir: &Path, device: &Device) -> Result<Loaded, Checkpoint
     let text = std::fs::read_to_string(&st).map_err(|e| io(&st, e))?;
     let state: TrainerState =
         serde_json::from_str(&text).map_err(|e| corrupt(format!("trainer_state.json: {e}")))?;
-    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+    // A LoRA checkpoint holds an adapter instead of a model.
+    let (files, weights) = if dir.join(ADAPTER_CONFIG).is_file() {
+        (
+            [ADAPTER_CONFIG, ADAPTER_WEIGHTS, "tokenizer.json"],
+            ADAPTER_WEIGHTS,
+        )
+    } else {
+        (
+            ["config.json", "model.safetensors", "tokenizer.json"],
+            "model.safetensors",
+        )
+    };
+    for f in files {
         if !dir.join(f).is_file() {
             return Err(corrupt(format!("{f} is missing")));
         }
     }
-    let bytes = std::fs::read(dir.join("model.safetensors")).map_err(|e| io(dir, e))?;
+    let bytes = std::fs::read(dir.join(weights)).map_err(|e| io(dir, e))?;
     candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
-        .map_err(|e| corrupt(format!("model.safetensors: {e}")))?;
+        .map_err(|e| corrupt(format!("{weights}: {e}")))?;
     let op = dir.join("optimizer.safetensors");
     let optimizer = if op.is_file() {
         let bytes = std::fs::read(&op).map_err(|e| io(&op, e))?;

@@ -289,10 +289,31 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     )?;
     let mut step = 0;
     if let Some(l) = resume {
-        opt.load_state(&l.optimizer, l.state.step)
+        // Steps without reward signal make no optimizer update (and epochs > 1 make several):
+        // AdamW's bias correction needs its own count, not the trainer's step.
+        let opt_steps = l
+            .state
+            .rng
+            .get("optimizer_steps")
+            .and_then(serde_json::Value::as_u64)
+            .map_or(l.state.step, |n| n as usize);
+        opt.load_state(&l.optimizer, opt_steps)
             .map_err(|m| TrainError::Checkpoint(format!("{}: {m}", l.dir.display())))?;
         step = l.state.step;
     }
+    sink.log(&match &model.lora {
+        Some(a) => format!(
+            "LoRA r={} alpha={} on {}: {} trainable parameters (base frozen)",
+            a.r,
+            a.lora_alpha,
+            a.target_modules.join(","),
+            model.trainable_parameters()
+        ),
+        None => format!(
+            "full fine-tuning: {} trainable parameters",
+            model.trainable_parameters()
+        ),
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -560,6 +581,11 @@ fn deep_copy(d: &Decoder) -> Result<Decoder, TrainError> {
         if let Some(b) = &l.bias {
             l.bias = Some(cp(b)?);
         }
+        // LoRA: the adapters are the policy's Vars; the reference keeps their starting values.
+        if let Some(lora) = l.lora.as_mut() {
+            lora.a = cp(&lora.a)?;
+            lora.b = cp(&lora.b)?;
+        }
         Ok(())
     };
     for l in copy.layers.iter_mut() {
@@ -596,7 +622,11 @@ fn save(
         step,
         total_steps: cfg.steps,
         seed: cfg.seed,
-        rng: serde_json::json!({"rollout_seeds": "f(seed, step, task index, group index)", "task_order": "seeded epoch permutations"}),
+        rng: serde_json::json!({
+            "rollout_seeds": "f(seed, step, task index, group index)",
+            "task_order": "seeded epoch permutations",
+            "optimizer_steps": opt.step,
+        }),
         config: serde_json::to_value(cfg).unwrap_or_default(),
         metrics: serde_json::Value::Null,
     };

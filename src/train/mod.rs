@@ -1,9 +1,12 @@
 //! Training: the bundled model's tokenizer and supervised pretraining, role-wise GRPO on
-//! world-rehearsal rollouts, checkpoints and the metrics seam. Headless by design: the TUI's
-//! training tab drives the same code through [`metrics::MetricsSink`].
+//! world-rehearsal rollouts, SFT on collected sessions, full fine-tuning or LoRA, checkpoints
+//! and the metrics seam. Headless by design: the TUI's training tab drives the same code
+//! through [`metrics::MetricsSink`].
 
 pub mod checkpoint;
+pub mod data;
 pub mod grpo;
+pub mod lora;
 pub mod metrics;
 pub mod model;
 pub mod optim;

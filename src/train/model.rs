@@ -1,5 +1,7 @@
 //! A decoder whose weights are `Var`s in a `VarMap` (HF names), ready for the optimizer, plus
-//! the masked token log-probabilities both SFT and GRPO are built on.
+//! the masked token log-probabilities both SFT and GRPO are built on. In LoRA mode the base
+//! weights are plain tensors (frozen: not in the optimizer, no gradients) and the `VarMap` holds
+//! only the adapters' A and B matrices, by PEFT name.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -11,7 +13,11 @@ use crate::runtime::RuntimeError;
 use crate::runtime::config::DecoderConfig;
 use crate::runtime::decoder::{Decoder, LogitsAt, Pass};
 use crate::runtime::fixture::random_weights;
-use crate::runtime::loader::{CheckpointFiles, build_dense, load_hf};
+use crate::runtime::loader::{
+    ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, build_dense, is_adapter_dir,
+    load_hf, read_adapter,
+};
+use crate::train::lora::{LoraConfig, init_adapter};
 
 /// A trainable decoder.
 pub struct TrainableModel {
@@ -19,19 +25,27 @@ pub struct TrainableModel {
     pub varmap: VarMap,
     /// The checkpoint directory it came from (tokenizer files are copied from there).
     pub source: Option<PathBuf>,
+    /// `Some` in LoRA mode: the adapter being trained (its base is frozen).
+    pub lora: Option<AdapterConfig>,
 }
 
 impl std::fmt::Debug for TrainableModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TrainableModel")
             .field("source", &self.source)
+            .field("lora", &self.lora)
             .finish()
     }
 }
 
 impl TrainableModel {
-    /// Load an HF checkpoint directory with every weight trainable (f32).
+    /// Load an HF checkpoint directory with every weight trainable (f32). A LoRA adapter
+    /// directory (a LoRA run's checkpoint) loads in LoRA mode: its base frozen, its adapter
+    /// trainable.
     pub fn load(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
+        if is_adapter_dir(dir) {
+            return Self::load_adapter(dir, device);
+        }
         let files = CheckpointFiles::locate(dir)?;
         let varmap = VarMap::new();
         let decoder = load_hf(&files, DType::F32, device, Some(&varmap))?;
@@ -39,7 +53,82 @@ impl TrainableModel {
             decoder,
             varmap,
             source: Some(dir.to_path_buf()),
+            lora: None,
         })
+    }
+
+    /// LoRA mode on a base HF checkpoint: fresh adapters (A seeded Kaiming-uniform, B zero, so
+    /// the model starts exactly as the base) on `cfg.targets`; the base weights are frozen.
+    pub fn load_lora(base: &Path, cfg: &LoraConfig, device: &Device) -> Result<Self, RuntimeError> {
+        let files = CheckpointFiles::locate(base)?;
+        let decoder = load_hf(&files, DType::F32, device, None)?;
+        let tensors = init_adapter(&decoder, cfg)?;
+        let acfg = AdapterConfig {
+            r: cfg.r,
+            lora_alpha: cfg.alpha,
+            target_modules: cfg.targets.clone(),
+            // Absolute, so that the adapter finds its base from any working directory.
+            base_model_name_or_path: Some(
+                std::fs::canonicalize(base)
+                    .unwrap_or_else(|_| base.to_path_buf())
+                    .display()
+                    .to_string(),
+            ),
+        };
+        Self::with_adapter(decoder, acfg, tensors, base, device)
+    }
+
+    /// LoRA mode from an adapter directory (resuming a LoRA run): the base named in its
+    /// `adapter_config.json`, frozen, and its adapter, trainable.
+    pub fn load_adapter(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
+        let (acfg, tensors) = read_adapter(dir)?;
+        let base = acfg.resolve_base(dir)?;
+        let files = CheckpointFiles::locate(&base)?;
+        let decoder = load_hf(&files, DType::F32, device, None)?;
+        Self::with_adapter(decoder, acfg, tensors, dir, device)
+    }
+
+    fn with_adapter(
+        mut decoder: Decoder,
+        acfg: AdapterConfig,
+        tensors: HashMap<String, Tensor>,
+        source: &Path,
+        device: &Device,
+    ) -> Result<Self, RuntimeError> {
+        let varmap = VarMap::new();
+        let mut live = HashMap::new();
+        {
+            let mut data = varmap
+                .data()
+                .lock()
+                .map_err(|_| RuntimeError::Generation("var map lock poisoned".into()))?;
+            for (name, t) in tensors {
+                let var = Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?;
+                live.insert(name.clone(), var.as_tensor().clone());
+                data.insert(name, var);
+            }
+        }
+        attach_adapter(
+            &mut decoder,
+            &acfg,
+            &live,
+            &source.join(ADAPTER_WEIGHTS),
+            false,
+        )?;
+        Ok(Self {
+            decoder,
+            varmap,
+            source: Some(source.to_path_buf()),
+            lora: Some(acfg),
+        })
+    }
+
+    /// Number of trainable parameters (every weight, or the adapters in LoRA mode).
+    pub fn trainable_parameters(&self) -> usize {
+        self.named_vars()
+            .iter()
+            .map(|(_, v)| v.as_tensor().elem_count())
+            .sum()
     }
 
     /// A freshly initialised model (seeded).
@@ -55,6 +144,7 @@ impl TrainableModel {
             decoder,
             varmap,
             source: None,
+            lora: None,
         })
     }
 
@@ -66,7 +156,7 @@ impl TrainableModel {
         }
     }
 
-    /// Current weights by HF name.
+    /// Current weights by HF name (the adapter tensors by PEFT name in LoRA mode).
     pub fn weights(&self) -> HashMap<String, Tensor> {
         self.named_vars()
             .into_iter()

@@ -1,0 +1,235 @@
+//! LoRA: low-rank adapters on the decoder's projections, trained while the base stays frozen.
+//!
+//! A projection `W` (out × in) gains A (r × in, Kaiming-uniform as PEFT initialises it, seeded)
+//! and B (out × r, zeros): `y = x Wᵀ + (alpha/r) · x Aᵀ Bᵀ`, so training starts from the base
+//! model exactly. The adapters are the trainer's only `Var`s (see `TrainableModel::load_lora`);
+//! rollouts run the same adapted decoder. Adapters are saved as PEFT writes them
+//! (`adapter_model.safetensors` with `base_model.model.…lora_A.weight` names and
+//! `adapter_config.json`), and [`merge_adapter`] folds one into its base as a plain HF
+//! checkpoint (`W' = W + (alpha/r) · B A`). Reference: Hu et al. 2021; HF PEFT `tuners/lora`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use super::checkpoint::{self, write_atomically};
+use crate::runtime::RuntimeError;
+use crate::runtime::decoder::Decoder;
+use crate::runtime::loader::{
+    ADAPTER_WEIGHTS, CheckpointFiles, LORA_MODULES, peft_names, read_adapter, read_safetensors,
+};
+
+/// The modules adapted when none are named: the attention projections.
+pub const DEFAULT_TARGETS: [&str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+
+/// How to adapt a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    pub r: usize,
+    pub alpha: f64,
+    /// Short module names (`q_proj`, …, `down_proj`).
+    pub targets: Vec<String>,
+    /// Seed of A's initialisation.
+    pub seed: u64,
+}
+
+impl LoraConfig {
+    /// From command-line values: rank, optional alpha (default `2·r`), comma-separated targets
+    /// (empty = [`DEFAULT_TARGETS`]).
+    pub fn new(r: usize, alpha: Option<f64>, targets: &str, seed: u64) -> Result<Self, TrainError> {
+        if r == 0 {
+            return Err(TrainError::Data(
+                "--lora: the rank must be at least 1".into(),
+            ));
+        }
+        let mut t: Vec<String> = targets
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+        if t.is_empty() {
+            t = DEFAULT_TARGETS.iter().map(|s| s.to_string()).collect();
+        }
+        if let Some(bad) = t.iter().find(|m| !LORA_MODULES.contains(&m.as_str())) {
+            return Err(TrainError::Data(format!(
+                "--lora-targets: `{bad}` is not one of {}",
+                LORA_MODULES.join(", ")
+            )));
+        }
+        t.dedup();
+        let alpha = alpha.unwrap_or(2.0 * r as f64);
+        if !(alpha.is_finite() && alpha > 0.0) {
+            return Err(TrainError::Data(format!(
+                "--lora-alpha: {alpha} is not a positive number"
+            )));
+        }
+        Ok(Self {
+            r,
+            alpha,
+            targets: t,
+            seed,
+        })
+    }
+}
+
+/// Fresh adapter tensors (CPU, f32, PEFT names) for the targeted projections of `decoder`:
+/// A ~ U(±1/√in) (PEFT's `kaiming_uniform_(a=√5)`), B = 0. Seeded; the order is the decoder's.
+pub fn init_adapter(
+    decoder: &Decoder,
+    cfg: &LoraConfig,
+) -> Result<HashMap<String, Tensor>, RuntimeError> {
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let mut out = HashMap::new();
+    for (name, lin) in decoder.named_linears() {
+        let module = name.rsplit('.').next().unwrap_or(&name);
+        if !cfg.targets.iter().any(|t| t == module) {
+            continue;
+        }
+        let (o, i) = lin.dims()?;
+        let bound = 1.0 / (i as f32).sqrt();
+        let a: Vec<f32> = (0..cfg.r * i)
+            .map(|_| rng.random_range(-bound..bound))
+            .collect();
+        let (an, bn) = peft_names(&name);
+        out.insert(an, Tensor::from_vec(a, (cfg.r, i), &Device::Cpu)?);
+        out.insert(bn, Tensor::zeros((o, cfg.r), DType::F32, &Device::Cpu)?);
+    }
+    if out.is_empty() {
+        return Err(RuntimeError::Generation(format!(
+            "LoRA targets {:?} match no projection of the model",
+            cfg.targets
+        )));
+    }
+    Ok(out)
+}
+
+/// What a merge did.
+#[derive(Debug, Clone, Serialize)]
+pub struct MergeReport {
+    pub out: PathBuf,
+    pub merged_projections: usize,
+    pub r: usize,
+    pub lora_alpha: f64,
+    pub target_modules: Vec<String>,
+}
+
+/// Fold the adapter in `adapter` into the HF checkpoint `base` and write the result to `out`
+/// atomically: the base's `config.json` and `generation_config.json` as they are, a single
+/// `model.safetensors` (adapted weights `W + (alpha/r)·B A` computed in f32 and stored in W's
+/// dtype; every other tensor unchanged), the base's tokenizer files, and the prompt profile
+/// (`envace.json`, the adapter's if it has one, else the base's).
+pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeReport, TrainError> {
+    let files = CheckpointFiles::locate(base)?;
+    let (cfg, lora) = read_adapter(adapter)?;
+    let mut tensors: HashMap<String, Tensor> = read_safetensors(&files.weights)?
+        .into_iter()
+        .map(|(k, (t, _))| (k, t))
+        .collect();
+    let adapter_file = adapter.join(ADAPTER_WEIGHTS);
+    let tensor_err = |name: &str, message: String| {
+        TrainError::Runtime(RuntimeError::Tensor {
+            path: adapter_file.display().to_string(),
+            name: name.to_string(),
+            message,
+        })
+    };
+    let mut modules: Vec<String> = Vec::new();
+    for k in lora.keys() {
+        let module = k
+            .strip_prefix("base_model.model.")
+            .and_then(|m| {
+                m.strip_suffix(".lora_A.weight")
+                    .or_else(|| m.strip_suffix(".lora_B.weight"))
+            })
+            .ok_or_else(|| tensor_err(k, "not a PEFT LoRA tensor name".into()))?;
+        modules.push(module.to_string());
+    }
+    modules.sort();
+    modules.dedup();
+    let scale = cfg.scale();
+    for m in &modules {
+        let (an, bn) = peft_names(m);
+        let a = lora
+            .get(&an)
+            .ok_or_else(|| tensor_err(&an, "missing from the adapter".into()))?;
+        let b = lora
+            .get(&bn)
+            .ok_or_else(|| tensor_err(&bn, "missing from the adapter".into()))?;
+        let wn = format!("{m}.weight");
+        let w = tensors.get(&wn).ok_or_else(|| {
+            tensor_err(
+                &an,
+                format!("the base {} has no tensor `{wn}`", base.display()),
+            )
+        })?;
+        let (o, i) = w.dims2()?;
+        if a.dims() != [cfg.r, i] || b.dims() != [o, cfg.r] {
+            return Err(tensor_err(
+                &an,
+                format!(
+                    "shapes A {:?} / B {:?} do not fit `{wn}` {:?} at r = {}",
+                    a.dims(),
+                    b.dims(),
+                    w.dims(),
+                    cfg.r
+                ),
+            ));
+        }
+        let delta = (b.to_dtype(DType::F32)?.matmul(&a.to_dtype(DType::F32)?)? * scale)?;
+        let merged = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
+        tensors.insert(wn, merged);
+    }
+    let profile = [adapter.join("envace.json"), base.join("envace.json")]
+        .into_iter()
+        .find(|p| p.is_file());
+    let copy = |from: &Path, to: &Path| -> Result<(), checkpoint::CheckpointError> {
+        std::fs::copy(from, to)
+            .map(|_| ())
+            .map_err(|e| checkpoint::CheckpointError::Io {
+                path: from.display().to_string(),
+                message: e.to_string(),
+            })
+    };
+    write_atomically(out, |tmp| {
+        copy(&files.config, &tmp.join("config.json"))?;
+        if let Some(g) = &files.generation_config {
+            copy(g, &tmp.join("generation_config.json"))?;
+        }
+        checkpoint::copy_tokenizer_files(tmp, &files.tokenizer)?;
+        if let Some(p) = &profile {
+            copy(p, &tmp.join("envace.json"))?;
+        }
+        checkpoint::save_tensors(tmp, "model.safetensors", &tensors)
+    })?;
+    Ok(MergeReport {
+        out: out.to_path_buf(),
+        merged_projections: modules.len(),
+        r: cfg.r,
+        lora_alpha: cfg.lora_alpha,
+        target_modules: cfg.target_modules,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_defaults_and_rejects_unknown_targets() {
+        let c = LoraConfig::new(8, None, "", 0).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.alpha, 16.0);
+        assert_eq!(c.targets, DEFAULT_TARGETS.to_vec());
+        let e = LoraConfig::new(4, Some(8.0), "q_proj,lm_head", 0)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("lm_head") && e.contains("gate_proj"), "{e}");
+        assert!(LoraConfig::new(0, None, "", 0).is_err());
+    }
+}
