@@ -437,7 +437,16 @@ fn train(
     use crate::train::model::TrainableModel;
     let device = candle_core::Device::Cpu;
     let from = req.resume.clone().unwrap_or_else(|| req.model.clone());
-    let model = TrainableModel::load(&from, &device).map_err(|e| e.to_string())?;
+    let model = match (&req.resume, req.lora) {
+        // A checkpoint (full or LoRA) continues as it was trained.
+        (Some(_), _) | (None, 0) => TrainableModel::load(&from, &device),
+        (None, r) => {
+            let cfg = crate::train::lora::LoraConfig::new(r, None, "", req.cfg.seed)
+                .map_err(|e| e.to_string())?;
+            TrainableModel::load_lora(&from, &cfg, &device)
+        }
+    }
+    .map_err(|e| e.to_string())?;
     let resume = match &req.resume {
         Some(dir) => Some(
             crate::train::checkpoint::load_for_resume(dir, &device).map_err(|e| e.to_string())?,

@@ -17,6 +17,8 @@ pub const LOG_LINES: usize = 500;
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainRequest {
     pub model: PathBuf,
+    /// LoRA rank (0 = full fine-tuning).
+    pub lora: usize,
     pub resume: Option<PathBuf>,
     pub out: PathBuf,
     pub cfg: GrpoConfig,
@@ -66,6 +68,7 @@ impl TrainTab {
             Field::number("steps", "steps", 20.0, (1.0, 1.0, 100000.0), 0),
             Field::number("batch", "tasks / step", 4.0, (1.0, 1.0, 64.0), 0),
             Field::number("group", "episodes / task", 4.0, (1.0, 2.0, 32.0), 0),
+            Field::choice("lora", "LoRA rank", &["full", "4", "8", "16", "32"], 0),
             Field::number("lr", "learning rate", 1e-4, (0.0, 1e-7, 1e-2), 6),
             Field::number("temperature", "temperature", 1.0, (0.1, 0.1, 2.0), 1),
             Field::number("kl", "KL coef", 0.0, (0.01, 0.0, 1.0), 2),
@@ -135,6 +138,7 @@ impl TrainTab {
         };
         Ok(TrainRequest {
             model: model.to_path_buf(),
+            lora: self.form.choice("lora").parse().unwrap_or(0),
             resume,
             out,
             cfg: self.config(),
@@ -203,14 +207,17 @@ impl TrainTab {
     }
 }
 
-/// Checkpoint directories under `out` (`checkpoint-N`, `final`), newest step last.
+/// Checkpoint directories under `out` (`checkpoint-N`, `final`; full or LoRA adapter), newest
+/// step last.
 pub fn scan_checkpoints(out: &Path) -> Vec<PathBuf> {
     let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(out)
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.join("model.safetensors").is_file())
+        .filter(|p| {
+            p.join("model.safetensors").is_file() || p.join("adapter_model.safetensors").is_file()
+        })
         .map(|p| {
             let name = p
                 .file_name()
