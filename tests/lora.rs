@@ -616,6 +616,32 @@ fn cli_train_sft_with_lora_then_merge_then_generate_from_both() {
         v["text"].as_str().unwrap().to_string()
     };
     assert_eq!(gen_text(&adapter), gen_text(&merged));
+    // A session recorded with the adapter names it in its header; the merged model has none.
+    let header_adapter = |model: &Path, name: &str| -> serde_json::Value {
+        let out = dir.path().join(name);
+        let o = envace()
+            .args([
+                "run",
+                "--env",
+                "bank",
+                "--task",
+                "bank-test-0001",
+                "--json",
+                "--model",
+            ])
+            .arg(model)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(&out).unwrap();
+        let h: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        h["adapter"].clone()
+    };
+    let a = header_adapter(&adapter, "with-adapter.jsonl");
+    assert!(a.as_str().unwrap().ends_with("final"), "{a}");
+    assert!(header_adapter(&merged, "merged.jsonl").is_null());
     // `envace train` without a subcommand is still GRPO (0 steps: just the final checkpoint).
     let grpo = dir.path().join("grpo");
     let o = envace()

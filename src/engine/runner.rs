@@ -274,7 +274,13 @@ pub fn header(
             path: String::new(),
             hash: String::new(),
         });
-    SessionHeader::new(mref, None, env, task_id, seed, cfg)
+    // A LoRA adapter directory (loaded as base + adapter) is named in the header's `adapter`.
+    let adapter = info
+        .as_ref()
+        .map(|i| std::path::Path::new(&i.path))
+        .filter(|p| p.join("adapter_config.json").is_file())
+        .map(|p| p.display().to_string());
+    SessionHeader::new(mref, adapter, env, task_id, seed, cfg)
 }
 
 /// Run a built-in domain task, writing its session to `out`.
