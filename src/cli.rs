@@ -297,6 +297,29 @@ pub struct GenerateArgs {
 pub enum BenchCommand {
     /// Prefill / decode throughput and branch cost.
     Generate(BenchGenerateArgs),
+    /// Training throughput (forward + backward + AdamW) and peak memory, full or LoRA.
+    Train(BenchTrainArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchTrainArgs {
+    /// HF model directory (default: the bundled model unless --shape is given).
+    #[arg(long, conflicts_with = "shape")]
+    pub model: Option<PathBuf>,
+    /// A named shape with seeded weights: tiny-256x6 or smollm2-135m.
+    #[arg(long)]
+    pub shape: Option<String>,
+    /// Train LoRA adapters of this rank (q/k/v/o) instead of every weight.
+    #[arg(long)]
+    pub lora: Option<usize>,
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 64)]
+    pub seq: usize,
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -44,6 +44,33 @@ fn main() -> Result<()> {
         Some(Command::Sessions(a)) => commands::sessions(a),
         Some(Command::Fork(a)) => tokio_runtime()?.block_on(commands::fork(a)),
         Some(Command::Diff(a)) => commands::diff(a),
+        Some(Command::Bench(BenchCommand::Train(a))) => {
+            use envace::train::bench;
+            let model = match (&a.model, &a.shape) {
+                (None, None) => Some(std::path::PathBuf::from("models/envace-tiny")),
+                (m, _) => m.clone(),
+            };
+            let (m, label, total) = bench::load(
+                model.as_deref(),
+                a.shape.as_deref(),
+                a.lora,
+                0,
+                &candle_core::Device::Cpu,
+            )?;
+            let cfg = bench::TrainBenchConfig {
+                batch: a.batch,
+                seq: a.seq,
+                steps: a.steps.max(1),
+                seed: 0,
+            };
+            let r = bench::run(&m, &label, total, a.lora, &cfg)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            }
+            Ok(())
+        }
         Some(Command::Bench(BenchCommand::Generate(a))) => {
             let model = LocalModel::load(&a.model, a.device)
                 .with_context(|| format!("loading {}", a.model.display()))?;

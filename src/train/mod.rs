@@ -3,6 +3,7 @@
 //! and the metrics seam. Headless by design: the TUI's training tab drives the same code
 //! through [`metrics::MetricsSink`].
 
+pub mod bench;
 pub mod checkpoint;
 pub mod data;
 pub mod grpo;
