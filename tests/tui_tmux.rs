@@ -140,7 +140,9 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     assert!(text.contains("\"type\":\"rehearsal_start\""));
 
     // Open it in the debugger and step.
+    // Wait for the tab itself: the Run tab also shows the task id and the session path.
     t.send(&["2"]);
+    t.wait_for("Sessions in", 30);
     let s = t.wait_for("bank-test-0007", 30);
     assert!(s.contains("Sessions in"), "{s}");
     t.send(&["Enter"]);
@@ -158,7 +160,8 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     let s = t.wait_for("Approval needed", 120);
     assert!(s.contains("fork of"), "{s}");
     t.send(&["a"]);
-    t.wait_for("episode finished", 120);
+    // The Run tab's state line reads "done, reward …" only once the fork has finished.
+    t.wait_for("done, reward", 120);
     let fork = std::fs::read_dir(&sessions)
         .unwrap()
         .flatten()
@@ -169,6 +172,21 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     assert!(
         text.lines().next().unwrap().contains("\"forked_from\""),
         "{text}"
+    );
+
+    // Open the fork (newest first) and diff it against its original.
+    t.send(&["2"]);
+    t.wait_for("Sessions in", 30);
+    let s = t.wait_for(".fork-1.jsonl", 30);
+    assert!(s.contains("Sessions in"), "{s}");
+    t.send(&["g", "Enter"]);
+    let s = t.wait_for("forked from", 30);
+    assert!(s.contains("Steps (main line)"), "{s}");
+    t.send(&["D"]);
+    let s = t.wait_for("Step-aligned diff", 30);
+    assert!(
+        s.contains(".fork-1.jsonl ↔ ") && s.contains("episode start"),
+        "{s}"
     );
 
     // Quit restores the terminal and exits 0.

@@ -1049,6 +1049,7 @@ impl App {
                 let opts = self.run.options();
                 let autonomy = self.run.autonomy();
                 self.run.forking(&req);
+                self.notice = None;
                 self.tab = Tab::Run;
                 vec![Effect::Fork {
                     spec: req,
