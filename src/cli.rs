@@ -374,6 +374,18 @@ pub struct PretrainArgs {
     /// schedule, instead of starting from scratch.
     #[arg(long)]
     pub init: Option<PathBuf>,
+    /// Train-split tasks generated per domain for the corpus (0 = the 500 built-in ones).
+    #[arg(long, default_value_t = 4000)]
+    pub tasks_per_domain: usize,
+    /// Simulator examples per task (0 = one per gold call).
+    #[arg(long, default_value_t = 1)]
+    pub sim_per_task: usize,
+    /// Fraction of tasks that add an actor example with a rehearsal memory in its prompt.
+    #[arg(long, default_value_t = 0.4)]
+    pub memory_fraction: f64,
+    /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: usize,
     /// Print corpus statistics and samples, train nothing.
     #[arg(long)]
     pub dry_run: bool,

@@ -124,6 +124,11 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.sft.batch_size = a.batch;
     cfg.sft.lr = a.lr;
     cfg.sft.time_budget_s = Some(a.minutes * 60.0);
+    cfg.sft.checkpoint_every = a.checkpoint_every;
+    cfg.corpus.tasks_per_domain = a.tasks_per_domain;
+    cfg.corpus.sim_per_task = a.sim_per_task;
+    cfg.corpus.memory_fraction = a.memory_fraction;
+    cfg.corpus.seed = a.seed;
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;
         println!("{}", serde_json::to_string_pretty(&stats)?);

@@ -9,6 +9,9 @@
 use std::path::Path;
 use std::time::Instant;
 
+use rand::rngs::StdRng;
+use rand::seq::{IndexedRandom, SliceRandom};
+use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -16,14 +19,20 @@ use super::TrainError;
 use super::metrics::MetricsSink;
 use super::model::{Example, TrainableModel};
 use super::sft::{SftConfig, SftReport, run_sft};
+use crate::engine::parse::SimOutput;
 use crate::engine::profile::PromptProfile;
 use crate::engine::prompts::actor::tools_json;
+use crate::engine::prompts::actor::{MEMORY_HEADING, actor_prompt};
+use crate::engine::prompts::memory::render_memory;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
-use crate::engine::spec::gold_conversation;
-use crate::engine::types::RecordedExample;
+use crate::engine::spec::{GoldCall, gold_conversation};
+use crate::engine::types::{
+    BranchEnd, BranchStep, BranchSummary, MemoryConfig, MemoryPlacement, Prediction,
+    RecordedExample, SimulatedOutcome,
+};
 use crate::env::domains::Domain;
-use crate::env::tasks::{Split, list_tasks};
-use crate::message::{Message, Role};
+use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
+use crate::message::{Message, Role, ToolCall};
 use crate::runtime::CancelToken;
 use crate::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, ChatTemplate};
 use crate::runtime::config::{DecoderConfig, Family};
@@ -41,7 +50,35 @@ pub struct PretrainConfig {
     pub kv_heads: usize,
     pub intermediate_size: usize,
     pub max_len: usize,
+    #[serde(default)]
+    pub corpus: CorpusConfig,
     pub sft: SftConfig,
+}
+
+/// What goes into the pretraining corpus.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CorpusConfig {
+    /// Train-split tasks generated per domain (0 = the 500 built-in ones). Every generated task
+    /// has fresh names, ids and amounts, so the model must copy them from the request.
+    pub tasks_per_domain: usize,
+    /// Simulator examples per task (one per gold call, sampled; 0 = every call).
+    pub sim_per_task: usize,
+    /// Fraction of the tasks with an irreversible gold call that also yield an actor example
+    /// whose prompt carries a Private Rehearsal memory (imagined branches, some with wrong ids
+    /// and their real errors) before that call, so that rehearsal helps instead of derailing.
+    pub memory_fraction: f64,
+    pub seed: u64,
+}
+
+impl Default for CorpusConfig {
+    fn default() -> Self {
+        Self {
+            tasks_per_domain: 0,
+            sim_per_task: 0,
+            memory_fraction: 0.0,
+            seed: 0,
+        }
+    }
 }
 
 impl Default for PretrainConfig {
@@ -55,6 +92,12 @@ impl Default for PretrainConfig {
             kv_heads: 4,
             intermediate_size: 704,
             max_len: 512,
+            corpus: CorpusConfig {
+                tasks_per_domain: 4000,
+                sim_per_task: 1,
+                memory_fraction: 0.4,
+                seed: 0,
+            },
             sft: SftConfig {
                 steps: 3000,
                 batch_size: 16,
@@ -161,22 +204,61 @@ pub fn simulator_text(
     })
 }
 
-/// Every actor and simulator text of a domain split.
+/// The actor text of a conversation whose last message (an assistant turn) is the only one
+/// trained.
+pub fn actor_text_last(
+    t: &ChatTemplate,
+    msgs: &[Message],
+    tools: &[Value],
+) -> Result<Segmented, TrainError> {
+    let full = t.render(msgs, tools, false, false)?;
+    let start = t.render(&msgs[..msgs.len() - 1], tools, true, false)?.len();
+    let cut = full[start..]
+        .rfind(END)
+        .map(|p| start + p + END.len())
+        .unwrap_or(full.len());
+    Ok(Segmented {
+        role: Role::Assistant,
+        segments: segment(&full, &[(start, cut)]),
+    })
+}
+
+/// The tasks a corpus is built from.
+fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
+    if cfg.tasks_per_domain == 0 {
+        return list_tasks(d, Some(split)).into_iter().cloned().collect();
+    }
+    match split {
+        Split::Train => generate_tasks(d, cfg.tasks_per_domain, 0),
+        Split::Test => generate_tasks(d, 0, cfg.tasks_per_domain),
+    }
+}
+
+/// Every actor and simulator text of a domain split (see [`CorpusConfig`]).
 pub fn corpus(
     domains: &[Domain],
     split: Split,
     profile: &PromptProfile,
+    cfg: &CorpusConfig,
 ) -> Result<Vec<Segmented>, TrainError> {
     let t = ChatTemplate::new(COMPACT_TOOLS_TEMPLATE, "", END)?;
     let mut out = Vec::new();
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
     for &d in domains {
         let tools = d.tools();
         let tj = tools_json(&tools);
-        for task in list_tasks(d, Some(split)) {
+        for task in corpus_tasks(d, split, cfg) {
             let (msgs, calls) =
-                gold_conversation(task).map_err(|e| TrainError::Data(e.to_string()))?;
+                gold_conversation(&task).map_err(|e| TrainError::Data(e.to_string()))?;
             out.push(actor_text(&t, &msgs, &tj)?);
-            for (k, gc) in calls.iter().enumerate() {
+            let mut chosen: Vec<usize> = (0..calls.len()).collect();
+            if cfg.sim_per_task > 0 {
+                chosen.shuffle(&mut rng);
+                chosen.truncate(cfg.sim_per_task);
+                chosen.sort_unstable();
+            }
+            for k in chosen {
+                let gc = &calls[k];
                 // Few-shot pool: the task's other gold steps (never the answer being trained).
                 let examples: Vec<RecordedExample> = calls
                     .iter()
@@ -199,9 +281,160 @@ pub fn corpus(
                 );
                 out.push(simulator_text(&t, &prompt, &gc.response)?);
             }
+            if cfg.memory_fraction > 0.0
+                && rng.random::<f64>() < cfg.memory_fraction
+                && let Some(m) = memory_example(&t, &tj, &task, &msgs, &calls, &mut rng)?
+            {
+                out.push(m);
+            }
         }
     }
     Ok(out)
+}
+
+/// A copy of `call` with one id argument (`prefix_N`) renumbered, or, without ids, one integer
+/// argument changed: the kind of slip a rehearsal branch makes.
+fn corrupt_call(call: &ToolCall, rng: &mut StdRng) -> Option<ToolCall> {
+    let args = call.arguments.as_object()?;
+    let keys: Vec<&String> = args.keys().collect();
+    let ids: Vec<&String> = keys
+        .iter()
+        .copied()
+        .filter(|k| {
+            args[k.as_str()]
+                .as_str()
+                .and_then(|v| v.rsplit_once('_'))
+                .is_some_and(|(_, n)| n.parse::<i64>().is_ok())
+        })
+        .collect();
+    let ints: Vec<&String> = keys
+        .iter()
+        .copied()
+        .filter(|k| args[k.as_str()].is_i64())
+        .collect();
+    let mut new = args.clone();
+    if let Some(k) = ids.choose(rng) {
+        let v = args[k.as_str()].as_str()?;
+        let (prefix, n) = v.rsplit_once('_')?;
+        let n: i64 = n.parse().ok()?;
+        let m = loop {
+            let m = rng.random_range(100..=999);
+            if m != n {
+                break m;
+            }
+        };
+        new.insert((*k).clone(), Value::String(format!("{prefix}_{m}")));
+    } else if let Some(k) = ints.choose(rng) {
+        let n = args[k.as_str()].as_i64()?;
+        let delta = rng.random_range(1..=200);
+        new.insert(
+            (*k).clone(),
+            json!(if rng.random::<bool>() {
+                n + delta
+            } else {
+                (n - delta).max(1)
+            }),
+        );
+    } else {
+        return None;
+    }
+    Some(ToolCall {
+        name: call.name.clone(),
+        arguments: Value::Object(new),
+    })
+}
+
+/// An actor example whose prompt carries a rehearsal memory of four imagined branches before
+/// the task's first irreversible gold call: some branches make that call (and see its real
+/// response), others a slip of it (and see the real response to the slip, usually an error).
+/// The target is the gold call, so the model learns to use the memory without trusting it
+/// blindly. The memory is rendered exactly as the engine renders it (default settings).
+fn memory_example(
+    t: &ChatTemplate,
+    tools: &[Value],
+    task: &Task,
+    msgs: &[Message],
+    calls: &[GoldCall],
+    rng: &mut StdRng,
+) -> Result<Option<Segmented>, TrainError> {
+    let d = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
+    let specs = d.tools();
+    let irreversible = |name: &str| specs.iter().any(|s| s.name == name && s.is_irreversible());
+    let Some(k) = calls.iter().position(|c| irreversible(&c.call.name)) else {
+        return Ok(None);
+    };
+    let gc = &calls[k];
+    // The state just before the call: the earlier gold calls replayed on the initial state.
+    let mut state = task.initial_state.clone();
+    for c in &calls[..k] {
+        d.apply(&mut state, &c.call)
+            .map_err(|e| TrainError::Data(e.to_string()))?;
+    }
+    // The reply the gold run gives right after the call, if the call ends its turn.
+    let reply = msgs
+        .get(gc.message + 2)
+        .filter(|m| m.role == Role::Assistant && m.tool_calls.is_empty())
+        .map(|m| m.content.clone());
+    let branch = |index: usize, call: &ToolCall, value: Value, reply: Option<String>| {
+        let error = value.get("error").is_some();
+        let end = match (&reply, error) {
+            (Some(text), false) => BranchEnd::Answered { text: text.clone() },
+            _ => BranchEnd::DepthReached,
+        };
+        let prediction = match (&end, error) {
+            (_, true) => Prediction::Failure {
+                reason: "a tool returned an error".into(),
+            },
+            (BranchEnd::Answered { .. }, false) => Prediction::Success,
+            _ => Prediction::Unknown,
+        };
+        BranchSummary {
+            index,
+            steps: vec![BranchStep {
+                call: call.clone(),
+                outcome: SimulatedOutcome::Parsed {
+                    output: SimOutput::Result { value },
+                },
+            }],
+            end,
+            prediction,
+        }
+    };
+    // How many of the four branches slip: none (30%), some (50%), all (20%).
+    let u: f64 = rng.random();
+    let wrong = if u < 0.3 {
+        0
+    } else if u < 0.8 {
+        rng.random_range(1..=3)
+    } else {
+        4
+    };
+    let mut branches = Vec::new();
+    for i in 0..4 {
+        if i < wrong {
+            let Some(bad) = corrupt_call(&gc.call, rng) else {
+                return Ok(None);
+            };
+            let resp = d
+                .apply(&mut state.clone(), &bad)
+                .map_err(|e| TrainError::Data(e.to_string()))?;
+            branches.push(branch(i, &bad, resp.to_json(), None));
+        } else {
+            branches.push(branch(i, &gc.call, gc.response.clone(), reply.clone()));
+        }
+    }
+    branches.shuffle(rng);
+    for (i, b) in branches.iter_mut().enumerate() {
+        b.index = i;
+    }
+    let memory = render_memory(&branches, &MemoryConfig::default());
+    let mut prompt = actor_prompt(
+        &msgs[..gc.message],
+        Some(&memory),
+        MemoryPlacement::UserMessage,
+    );
+    prompt.push(msgs[gc.message].clone());
+    Ok(Some(actor_text_last(t, &prompt, tools)?))
 }
 
 /// Text for tokenizer training: capitalised words (entity names) are removed so that names
@@ -249,12 +482,26 @@ pub fn corpus_stats(texts: &[Segmented], tok: Option<&Tokenizer>) -> Value {
             }),
         );
     }
+    by_role.insert(
+        "memory_sample".into(),
+        json!(
+            texts
+                .iter()
+                .map(Segmented::text)
+                .find(|t| t.contains(MEMORY_HEADING))
+        ),
+    );
     Value::Object(by_role)
 }
 
 /// The corpus of the bundled model's recipe, tokenised with a freshly trained tokenizer.
 pub fn dry_run(cfg: &PretrainConfig) -> Result<Value, TrainError> {
-    let texts = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact())?;
+    let texts = corpus(
+        &Domain::ALL,
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg.corpus,
+    )?;
     let tok = Tokenizer::from_inner(super::tokenizer::train_bpe(
         &tokenizer_corpus(&texts),
         cfg.vocab_size,
@@ -287,7 +534,7 @@ pub fn run_pretrain(
 ) -> Result<PretrainReport, TrainError> {
     let t0 = Instant::now();
     let profile = PromptProfile::compact();
-    let texts = corpus(&Domain::ALL, Split::Train, &profile)?;
+    let texts = corpus(&Domain::ALL, Split::Train, &profile, &cfg.corpus)?;
     sink.log(&format!("corpus: {} texts", texts.len()));
     let work = out.with_extension("work");
     std::fs::create_dir_all(&work)
@@ -408,4 +655,104 @@ pub fn run_pretrain(
         sft: report,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(memory_fraction: f64) -> CorpusConfig {
+        CorpusConfig {
+            tasks_per_domain: 30,
+            sim_per_task: 1,
+            memory_fraction,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn generated_corpus_has_one_actor_and_one_simulator_text_per_task() {
+        let texts = corpus(
+            &[Domain::Bank],
+            Split::Train,
+            &PromptProfile::compact(),
+            &cfg(0.0),
+        )
+        .unwrap();
+        let actor = texts.iter().filter(|t| t.role == Role::Assistant).count();
+        let sim = texts.iter().filter(|t| t.role == Role::Tool).count();
+        assert_eq!((actor, sim), (30, 30));
+        assert!(!texts.iter().any(|t| t.text().contains(MEMORY_HEADING)));
+    }
+
+    #[test]
+    fn memory_examples_train_only_the_gold_call_after_the_memory() {
+        let texts = corpus(
+            &Domain::ALL,
+            Split::Train,
+            &PromptProfile::compact(),
+            &cfg(1.0),
+        )
+        .unwrap();
+        let memories: Vec<&Segmented> = texts
+            .iter()
+            .filter(|t| t.text().contains(MEMORY_HEADING))
+            .collect();
+        assert!(
+            memories.len() >= 20,
+            "only {} memory examples",
+            memories.len()
+        );
+        let mut slips = 0;
+        for m in memories {
+            let trained: Vec<&(String, bool)> = m.segments.iter().filter(|s| s.1).collect();
+            assert_eq!(trained.len(), 1, "one trained turn");
+            let target = &trained[0].0;
+            assert!(target.starts_with("<tool_call>"), "{target}");
+            assert!(target.ends_with(END));
+            // The memory comes before the trained turn, never after it.
+            let text = m.text();
+            assert!(text.find(MEMORY_HEADING).unwrap() < text.find(target.as_str()).unwrap());
+            // Branch lines: the gold call or a slip of it with the slip's real response.
+            let note = &text[text.find(MEMORY_HEADING).unwrap()..];
+            let call_json = &target["<tool_call>".len()..target.find("</tool_call>").unwrap()];
+            let gold: Value = serde_json::from_str(call_json).unwrap();
+            let gold_compact = serde_json::to_string(&gold).unwrap();
+            for line in note
+                .lines()
+                .skip(1)
+                .take_while(|l| !l.contains("<|im_end|>"))
+            {
+                if !line.contains(&gold_compact) {
+                    slips += 1;
+                    assert!(line.contains("predicted"), "{line}");
+                }
+            }
+        }
+        assert!(slips > 0, "no branch with a slip");
+    }
+
+    #[test]
+    fn a_slip_changes_exactly_one_argument() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let call = ToolCall {
+            name: "transfer".into(),
+            arguments: json!({"src": "acc_120", "dst": "acc_450", "amount": 75}),
+        };
+        for _ in 0..50 {
+            let bad = corrupt_call(&call, &mut rng).unwrap();
+            let (a, b) = (
+                call.arguments.as_object().unwrap(),
+                bad.arguments.as_object().unwrap(),
+            );
+            let changed = a.iter().filter(|(k, v)| b[k.as_str()] != **v).count();
+            assert_eq!(changed, 1, "{bad:?}");
+            assert_eq!(b["amount"], json!(75), "ids are slipped before amounts");
+        }
+        let no_args = ToolCall {
+            name: "x".into(),
+            arguments: json!({"note": "hi"}),
+        };
+        assert!(corrupt_call(&no_args, &mut rng).is_none());
+    }
 }

@@ -538,7 +538,7 @@ pub(crate) fn generate(rng: &mut Rng, pools: &Pools, index: usize) -> TaskDraft 
         9 => {
             let (a, b) = (&p0.chk, &p1.sav);
             let old = rng.range(amt / 2, amt - 1);
-            let new = (amt / 100 + 1) * 100;
+            let new = pools.value(rng, amt + 1, amt + 150);
             if let Some(x) = acc_mut(&mut bank, a) {
                 x.limit = old;
             }

@@ -12,6 +12,8 @@ pub mod bank;
 pub mod retail;
 pub mod travel;
 
+use std::sync::OnceLock;
+
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::{Map, Value, json};
 
@@ -347,20 +349,10 @@ impl Rng {
         }
         out
     }
-
-    /// `n` distinct ids `prefix_N` with N in `lo..=hi`.
-    pub fn ids(&mut self, prefix: &str, lo: i64, hi: i64, n: usize) -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
-        while out.len() < n {
-            let id = format!("{prefix}_{}", self.range(lo, hi));
-            if !out.contains(&id) {
-                out.push(id);
-            }
-        }
-        out
-    }
 }
 
+/// Hand-picked training names; [`train_names`] adds generated ones so that a model has to copy
+/// names from the request instead of memorising a short list.
 const TRAIN_NAMES: &[&str] = &[
     "Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gina", "Hugo", "Ida", "Jon", "Kim", "Leo", "Mia",
     "Ned", "Olga", "Paul", "Rita", "Sam", "Tess", "Uma", "Vic", "Wes", "Yara", "Zoe", "Alma",
@@ -372,27 +364,89 @@ const TEST_NAMES: &[&str] = &[
 ];
 const TRAIN_CITIES: &[&str] = &[
     "Oslo", "Rome", "Paris", "Lima", "Cairo", "Dublin", "Madrid", "Lisbon", "Vienna", "Prague",
-    "Berlin", "Athens", "Tokyo", "Seoul",
+    "Berlin", "Athens", "Tokyo", "Seoul", "Bern", "Porto", "Milan", "Nice", "Lyon", "Turin",
+    "Genoa", "Bonn", "Malmo", "Bergen", "Tallinn", "Vilnius", "Minsk", "Krakow", "Gdansk", "Split",
+    "Sevilla", "Bilbao", "Valencia", "Naples", "Palermo", "Dakar", "Accra", "Lagos", "Nairobi",
+    "Delhi", "Dhaka", "Manila", "Jakarta", "Perth", "Denver", "Austin", "Boston", "Havana",
 ];
 const TEST_CITIES: &[&str] = &[
     "Quito", "Riga", "Sofia", "Tunis", "Zagreb", "Kyiv", "Hanoi", "Bogota",
 ];
-const TRAIN_PAYEES: &[&str] = &["grocer", "cafe", "gym", "pharmacy", "bakery", "cinema"];
+const TRAIN_PAYEES: &[&str] = &[
+    "grocer", "cafe", "gym", "pharmacy", "bakery", "cinema", "butcher", "bookshop", "laundry",
+    "museum", "zoo", "theatre", "market", "bistro", "hotel", "library", "barber", "dairy", "kiosk",
+    "vet", "optician", "plumber", "taxi", "pizzeria", "gallery", "chemist", "printer", "stable",
+    "spa", "arcade",
+];
 const TEST_PAYEES: &[&str] = &["florist", "garage", "dentist", "tailor"];
 const TRAIN_ITEMS: &[&str] = &[
-    "lamp", "mug", "desk", "chair", "kettle", "rug", "clock", "vase", "fan", "pan",
+    "lamp", "mug", "desk", "chair", "kettle", "rug", "clock", "vase", "fan", "pan", "bowl", "cup",
+    "plate", "towel", "pillow", "bench", "basket", "jar", "tray", "radio", "heater", "candle",
+    "frame", "drill", "ladder", "bucket", "broom", "hammer", "helmet", "tent", "scarf", "boots",
 ];
 const TEST_ITEMS: &[&str] = &["sofa", "stool", "mirror", "shelf", "toaster", "blender"];
+
+/// How many generated names join [`TRAIN_NAMES`].
+const GENERATED_NAMES: usize = 400;
+
+/// The training names: the hand-picked ones plus [`GENERATED_NAMES`] syllable names
+/// (deterministic; none equals a test name).
+fn train_names() -> &'static [&'static str] {
+    static NAMES: OnceLock<Vec<&'static str>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        const ONSETS: &[&str] = &[
+            "B", "C", "D", "F", "G", "H", "J", "K", "L", "M", "N", "P", "R", "S", "T", "V", "W",
+            "Z", "Br", "Ch", "Cl", "Dr", "Fl", "Gr", "Kr", "Pr", "Sh", "St", "Tr", "El", "Ar",
+            "Os",
+        ];
+        const VOWELS: &[&str] = &["a", "e", "i", "o", "u", "ai", "ea", "ia", "io", "y"];
+        const MIDDLES: &[&str] = &[
+            "l", "n", "r", "m", "s", "t", "v", "d", "k", "b", "nn", "ll", "rd", "st", "nd", "x",
+        ];
+        const ENDS: &[&str] = &[
+            "a", "o", "e", "i", "us", "an", "en", "el", "in", "on", "", "ia",
+        ];
+        let mut rng = Rng::new(0x6e61_6d65);
+        let mut out: Vec<&'static str> = TRAIN_NAMES.to_vec();
+        let mut seen: std::collections::HashSet<String> =
+            out.iter().map(|s| (*s).to_string()).collect();
+        while out.len() < TRAIN_NAMES.len() + GENERATED_NAMES {
+            let name = format!(
+                "{}{}{}{}",
+                rng.pick(ONSETS),
+                rng.pick(VOWELS),
+                rng.pick(MIDDLES),
+                rng.pick(ENDS)
+            );
+            if name.len() > 8 || TEST_NAMES.contains(&name.as_str()) || !seen.insert(name.clone()) {
+                continue;
+            }
+            out.push(Box::leak(name.into_boxed_str()));
+        }
+        out
+    })
+}
+
+/// Whether a number (an id's digits, an amount, a day) is held out for the test split. Train and
+/// test draw from the same ranges but from disjoint sets of values (about one value in four is
+/// test-only), so no test id or amount ever appears in training, yet every digit pattern does.
+pub(crate) fn held_out(v: i64) -> bool {
+    let mut z = (v as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)).is_multiple_of(4)
+}
 
 /// The names and value ranges of a split. Train and test pools share nothing, so a test task
 /// never mentions a name, id or amount seen in training.
 #[derive(Debug, Clone)]
 pub(crate) struct Pools {
+    pub split: Split,
     pub names: &'static [&'static str],
     pub cities: &'static [&'static str],
     pub payees: &'static [&'static str],
     pub items: &'static [&'static str],
-    /// Inclusive range of id numbers (`acc_N`, `ord_N`, ...).
+    /// Inclusive range of id numbers (`acc_N`, `ord_N`, ...); a split uses its part of it.
     pub id_lo: i64,
     pub id_hi: i64,
     /// Inclusive range of the amounts that appear in instructions.
@@ -405,40 +459,59 @@ pub(crate) struct Pools {
 
 impl Pools {
     pub fn new(split: Split) -> Self {
-        match split {
-            Split::Train => Self {
-                names: TRAIN_NAMES,
-                cities: TRAIN_CITIES,
-                payees: TRAIN_PAYEES,
-                items: TRAIN_ITEMS,
-                id_lo: 100,
-                id_hi: 599,
-                amt_lo: 30,
-                amt_hi: 390,
-                day_lo: 1,
-                day_hi: 19,
-            },
-            Split::Test => Self {
-                names: TEST_NAMES,
-                cities: TEST_CITIES,
-                payees: TEST_PAYEES,
-                items: TEST_ITEMS,
-                id_lo: 600,
-                id_hi: 999,
-                amt_lo: 410,
-                amt_hi: 790,
-                day_lo: 20,
-                day_hi: 28,
-            },
+        let (names, cities, payees, items) = match split {
+            Split::Train => (train_names(), TRAIN_CITIES, TRAIN_PAYEES, TRAIN_ITEMS),
+            Split::Test => (TEST_NAMES, TEST_CITIES, TEST_PAYEES, TEST_ITEMS),
+        };
+        Self {
+            split,
+            names,
+            cities,
+            payees,
+            items,
+            id_lo: 100,
+            id_hi: 999,
+            amt_lo: 20,
+            amt_hi: 790,
+            day_lo: 1,
+            day_hi: 28,
         }
     }
 
-    pub fn amount(&self, rng: &mut Rng) -> i64 {
-        rng.range(self.amt_lo, self.amt_hi)
+    /// Whether `v` belongs to this split's part of a range.
+    fn owns(&self, v: i64) -> bool {
+        held_out(v) == (self.split == Split::Test)
     }
 
+    /// A value of `lo..=hi` that belongs to this split.
+    pub fn value(&self, rng: &mut Rng, lo: i64, hi: i64) -> i64 {
+        for _ in 0..1000 {
+            let v = rng.range(lo, hi);
+            if self.owns(v) {
+                return v;
+            }
+        }
+        rng.range(lo, hi)
+    }
+
+    pub fn amount(&self, rng: &mut Rng) -> i64 {
+        self.value(rng, self.amt_lo, self.amt_hi)
+    }
+
+    pub fn day(&self, rng: &mut Rng) -> i64 {
+        self.value(rng, self.day_lo, self.day_hi)
+    }
+
+    /// `n` distinct ids `prefix_N` with N from this split's part of the id range.
     pub fn ids(&self, rng: &mut Rng, prefix: &str, n: usize) -> Vec<String> {
-        rng.ids(prefix, self.id_lo, self.id_hi, n)
+        let mut out: Vec<String> = Vec::new();
+        while out.len() < n {
+            let id = format!("{prefix}_{}", self.value(rng, self.id_lo, self.id_hi));
+            if !out.contains(&id) {
+                out.push(id);
+            }
+        }
+        out
     }
 }
 

@@ -300,9 +300,9 @@ struct World {
 fn world(rng: &mut Rng, pools: &Pools) -> World {
     let cities: Vec<&str> = rng.distinct(pools.cities, 4);
     let (a, b, c, e) = (cities[0], cities[1], cities[2], cities[3]);
-    let d = rng.range(pools.day_lo, pools.day_hi);
+    let d = pools.day(rng);
     let d2 = loop {
-        let x = rng.range(pools.day_lo, pools.day_hi);
+        let x = pools.day(rng);
         if x != d {
             break x;
         }
@@ -352,7 +352,7 @@ fn world(rng: &mut Rng, pools: &Pools) -> World {
             },
         );
     }
-    let next_bk = rng.range(pools.id_lo, pools.id_hi);
+    let next_bk = pools.value(rng, pools.id_lo, pools.id_hi);
     World {
         desk: Desk {
             flights,
