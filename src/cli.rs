@@ -444,6 +444,13 @@ pub struct TrainArgs {
     pub seed: u64,
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,
+    /// Grounding loss weight (0 = off): also teach the simulator the real responses recorded
+    /// in shadow-mode sessions (--grounding-sessions).
+    #[arg(long, default_value_t = 0.0)]
+    pub grounding: f64,
+    /// Shadow-mode session files for the grounding loss: a file, a directory or a glob.
+    #[arg(long)]
+    pub grounding_sessions: Option<String>,
     /// Wall-clock budget in minutes.
     #[arg(long)]
     pub minutes: Option<f64>,

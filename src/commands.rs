@@ -414,6 +414,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         checkpoint_every: a.checkpoint_every,
         time_budget_s: a.minutes.map(|m| m * 60.0),
+        grounding_coef: a.grounding,
+        grounding_sessions: a.grounding_sessions.clone(),
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -238,3 +238,118 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
     );
     LocalModel::load_on(&fin, &Device::Cpu, None).unwrap();
 }
+
+/// Record `n` train-split episodes of the bundled model in `mode` into `dir`.
+fn record_sessions(dir: &Path, mode: &str, n: usize) {
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(["eval", "--env", "bank", "--split", "train", "--mode", mode])
+        .args([
+            "--limit",
+            &n.to_string(),
+            "--seed",
+            "0",
+            "--json",
+            "--sessions",
+        ])
+        .arg(dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+}
+
+#[test]
+fn the_grounding_loss_teaches_the_simulator_the_real_responses_of_shadow_sessions() {
+    use envace::engine::runner::ModeChoice;
+    use envace::engine::types::GenRole;
+    use envace::train::data::{SessionDataOptions, expand_glob, session_examples};
+    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+    let sessions = tempfile::tempdir().unwrap();
+    record_sessions(sessions.path(), "shadow", 3);
+    let pattern = sessions.path().display().to_string();
+    let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
+    let tok = LocalModel::load_on(&src, &Device::Cpu, None)
+        .unwrap()
+        .tokenizer;
+    let rows = session_examples(
+        &expand_glob(&pattern).unwrap(),
+        &SessionDataOptions {
+            roles: vec![GenRole::Simulator],
+            min_reward: f64::INFINITY,
+        },
+        &tok,
+    )
+    .unwrap();
+    assert!(rows.stats.simulator_relabelled > 0, "{:?}", rows.stats);
+    let refs: Vec<&Example> = rows.examples.iter().collect();
+    let before = masked_nll(&model.decoder, &refs)
+        .unwrap()
+        .0
+        .to_scalar::<f32>()
+        .unwrap();
+    // Group 1: every advantage is 0, so only the grounding loss can move the weights.
+    let cfg = GrpoConfig {
+        steps: 3,
+        batch: 1,
+        group: 1,
+        lr: 1e-3,
+        mode: ModeChoice::Rehearse,
+        grounding_coef: 1.0,
+        grounding_sessions: Some(pattern.clone()),
+        grounding_batch: 16,
+        ..Default::default()
+    };
+    let mut sink = MemorySink::default();
+    run_grpo(
+        &cfg,
+        GrpoRun {
+            model: &model,
+            model_dir: &src,
+            out: None,
+            resume: None,
+            sink: &mut sink,
+            cancel: &CancelToken::new(),
+        },
+    )
+    .unwrap();
+    assert!(
+        sink.steps
+            .iter()
+            .all(|m| m.get("rows_with_signal") == Some(0.0))
+    );
+    assert!(sink.steps.iter().all(|m| m.get("grounding_nll").is_some()));
+    let after = masked_nll(&model.decoder, &refs)
+        .unwrap()
+        .0
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(after < before, "grounding NLL {before} -> {after}");
+
+    // Sessions without shadow-mode simulator rows are refused, naming the pattern.
+    let real = tempfile::tempdir().unwrap();
+    record_sessions(real.path(), "real", 1);
+    let bad = GrpoConfig {
+        grounding_sessions: Some(real.path().display().to_string()),
+        ..cfg
+    };
+    let err = run_grpo(
+        &bad,
+        GrpoRun {
+            model: &model,
+            model_dir: &src,
+            out: None,
+            resume: None,
+            sink: &mut MemorySink::default(),
+            cancel: &CancelToken::new(),
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("no shadow-mode simulator row"), "{err}");
+    assert!(err.contains(&real.path().display().to_string()), "{err}");
+}

@@ -59,6 +59,23 @@ pub struct GrpoConfig {
     /// `collapse_patience` steps), or the actor's format-error rate exceeds 0.5.
     pub collapse_fraction: f64,
     pub collapse_patience: usize,
+    /// Grounding loss (our extension, off at 0): each step also minimises this weight times the
+    /// simulator's NLL of real responses recorded in shadow-mode sessions
+    /// ([`GrpoConfig::grounding_sessions`]), so the world model learns what the environment
+    /// really answers, not only what led to reward.
+    #[serde(default)]
+    pub grounding_coef: f64,
+    /// Session files (a file, a directory or a glob) whose shadow-mode simulator rows, relabelled
+    /// with the real response, feed the grounding loss.
+    #[serde(default)]
+    pub grounding_sessions: Option<String>,
+    /// Grounding rows per step.
+    #[serde(default = "default_grounding_batch")]
+    pub grounding_batch: usize,
+}
+
+fn default_grounding_batch() -> usize {
+    8
 }
 
 impl Default for GrpoConfig {
@@ -83,6 +100,9 @@ impl Default for GrpoConfig {
             time_budget_s: None,
             collapse_fraction: 0.25,
             collapse_patience: 5,
+            grounding_coef: 0.0,
+            grounding_sessions: None,
+            grounding_batch: default_grounding_batch(),
         }
     }
 }
@@ -279,6 +299,15 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     let reference = (cfg.kl_coef > 0.0)
         .then(|| deep_copy(&model.decoder))
         .transpose()?;
+    let grounding = grounding_examples(cfg, &base)?;
+    if !grounding.is_empty() {
+        sink.log(&format!(
+            "grounding: {} shadow-mode simulator rows (real responses), weight {}",
+            grounding.len(),
+            cfg.grounding_coef
+        ));
+    }
+    let grounding_lengths: Vec<usize> = grounding.iter().map(|e| e.ids.len()).collect();
     let mut opt = AdamW::new(
         model.named_vars(),
         AdamWConfig {
@@ -440,9 +469,23 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             .sum();
         let (mut loss_v, mut kl_v, mut ent_v, mut gn) = (0.0, 0.0, 0.0, 0.0);
         let mut trained_tokens = 0usize;
-        if norm > 0.0 {
-            for _ in 0..cfg.epochs.max(1) {
+        let mut grounding_nll: Option<f64> = None;
+        if norm > 0.0 || !grounding.is_empty() {
+            for epoch in 0..cfg.epochs.max(1) {
                 let mut acc: Option<candle_core::backprop::GradStore> = None;
+                if epoch == 0 && !grounding.is_empty() {
+                    let idx = super::sft::batch_indices(
+                        &grounding_lengths,
+                        cfg.grounding_batch.max(1),
+                        cfg.seed ^ 0x6772_6f75,
+                        step,
+                    );
+                    let batch: Vec<&Example> = idx.iter().map(|&i| &grounding[i]).collect();
+                    let (nll, n) = super::model::masked_nll(&model.decoder, &batch)?;
+                    grounding_nll = Some(nll.to_scalar::<f32>()? as f64);
+                    trained_tokens += n as usize;
+                    acc = Some((nll * cfg.grounding_coef)?.backward()?);
+                }
                 let mut start = 0;
                 while start < active.len() {
                     let mut end = start;
@@ -520,6 +563,9 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             .with("sim_failure_rate", sim_fail as f64 / sim_gens.max(1) as f64)
             .with("tokens_per_s", trained_tokens as f64 / secs.max(1e-9))
             .with("seconds", secs);
+        if let Some(g) = grounding_nll {
+            metrics = metrics.with("grounding_nll", g);
+        }
         // Simulator fidelity (mean value agreement with the real response): shadow/real only.
         if fid_n > 0 {
             metrics = metrics.with("sim_fidelity", fid_sum / fid_n as f64);
@@ -566,6 +612,33 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         stopped,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The grounding rows: shadow-mode simulator generations of the configured sessions, relabelled
+/// with the real response (see `train::data`). Empty when grounding is off; an error when it is
+/// on and the sessions hold no such row.
+fn grounding_examples(cfg: &GrpoConfig, base: &LocalModel) -> Result<Vec<Example>, TrainError> {
+    if cfg.grounding_coef <= 0.0 {
+        return Ok(Vec::new());
+    }
+    let Some(pattern) = &cfg.grounding_sessions else {
+        return Err(TrainError::Data(
+            "grounding loss: no sessions given (--grounding-sessions)".into(),
+        ));
+    };
+    let files = super::data::expand_glob(pattern)?;
+    let opts = super::data::SessionDataOptions {
+        roles: vec![GenRole::Simulator],
+        // Only relabelled rows (whose target is the real response) pass.
+        min_reward: f64::INFINITY,
+    };
+    let data = super::data::session_examples(&files, &opts, &base.tokenizer)?;
+    if data.examples.is_empty() {
+        return Err(TrainError::Data(format!(
+            "grounding loss: {pattern} holds no shadow-mode simulator row (record sessions with `--mode shadow`)"
+        )));
+    }
+    Ok(data.examples)
 }
 
 fn deep_copy(d: &Decoder) -> Result<Decoder, TrainError> {
