@@ -383,6 +383,10 @@ pub struct PretrainArgs {
     /// Fraction of tasks that add an actor example with a rehearsal memory in its prompt.
     #[arg(long, default_value_t = 0.4)]
     pub memory_fraction: f64,
+    /// Fraction of tasks that add a slipped call with its real (usually error) response: a
+    /// simulator example, and an actor example that recovers with the gold call.
+    #[arg(long, default_value_t = 0.3)]
+    pub slip_fraction: f64,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,

@@ -128,6 +128,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.tasks_per_domain = a.tasks_per_domain;
     cfg.corpus.sim_per_task = a.sim_per_task;
     cfg.corpus.memory_fraction = a.memory_fraction;
+    cfg.corpus.slip_fraction = a.slip_fraction;
     cfg.corpus.seed = a.seed;
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;

@@ -22,7 +22,7 @@ use super::sft::{SftConfig, SftReport, run_sft};
 use crate::engine::parse::SimOutput;
 use crate::engine::profile::PromptProfile;
 use crate::engine::prompts::actor::tools_json;
-use crate::engine::prompts::actor::{MEMORY_HEADING, actor_prompt};
+use crate::engine::prompts::actor::{MEMORY_HEADING, actor_prompt, tool_message};
 use crate::engine::prompts::memory::render_memory;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::engine::spec::{GoldCall, gold_conversation};
@@ -30,6 +30,7 @@ use crate::engine::types::{
     BranchEnd, BranchStep, BranchSummary, MemoryConfig, MemoryPlacement, Prediction,
     RecordedExample, SimulatedOutcome,
 };
+use crate::env::ToolSpec;
 use crate::env::domains::Domain;
 use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
 use crate::message::{Message, Role, ToolCall};
@@ -67,6 +68,12 @@ pub struct CorpusConfig {
     /// whose prompt carries a Private Rehearsal memory (imagined branches, some with wrong ids
     /// and their real errors) before that call, so that rehearsal helps instead of derailing.
     pub memory_fraction: f64,
+    /// Fraction of tasks that add a slipped call (one id or amount changed, as a model gets it
+    /// wrong): a simulator example answering it with the domain's real response (usually an
+    /// error such as `not_found`, so the simulator learns that calls can fail) and, when that
+    /// response is an error, an actor example recovering with the gold call.
+    #[serde(default)]
+    pub slip_fraction: f64,
     pub seed: u64,
 }
 
@@ -76,6 +83,7 @@ impl Default for CorpusConfig {
             tasks_per_domain: 0,
             sim_per_task: 0,
             memory_fraction: 0.0,
+            slip_fraction: 0.0,
             seed: 0,
         }
     }
@@ -96,6 +104,7 @@ impl Default for PretrainConfig {
                 tasks_per_domain: 4000,
                 sim_per_task: 1,
                 memory_fraction: 0.4,
+                slip_fraction: 0.3,
                 seed: 0,
             },
             sft: SftConfig {
@@ -287,6 +296,18 @@ pub fn corpus(
             {
                 out.push(m);
             }
+            if cfg.slip_fraction > 0.0 && rng.random::<f64>() < cfg.slip_fraction {
+                let slip = SlipInput {
+                    template: &t,
+                    tools: &tools,
+                    tools_json: &tj,
+                    profile,
+                    task: &task,
+                    msgs: &msgs,
+                    calls: &calls,
+                };
+                out.extend(slip_examples(&slip, &mut rng)?);
+            }
         }
     }
     Ok(out)
@@ -342,6 +363,83 @@ fn corrupt_call(call: &ToolCall, rng: &mut StdRng) -> Option<ToolCall> {
         name: call.name.clone(),
         arguments: Value::Object(new),
     })
+}
+
+/// What [`slip_examples`] needs from the task being rendered.
+struct SlipInput<'a> {
+    template: &'a ChatTemplate,
+    tools: &'a [ToolSpec],
+    tools_json: &'a [Value],
+    profile: &'a PromptProfile,
+    task: &'a Task,
+    msgs: &'a [Message],
+    calls: &'a [GoldCall],
+}
+
+/// A slip of one gold call, answered by the domain's real response: a simulator example for
+/// it, and (when the response is an error) an actor example whose prompt shows the slip and
+/// its error and whose target is the gold call.
+fn slip_examples(x: &SlipInput<'_>, rng: &mut StdRng) -> Result<Vec<Segmented>, TrainError> {
+    if x.calls.is_empty() {
+        return Ok(Vec::new());
+    }
+    let k = rng.random_range(0..x.calls.len());
+    let gc = &x.calls[k];
+    let Some(bad) = corrupt_call(&gc.call, rng) else {
+        return Ok(Vec::new());
+    };
+    let d = x
+        .task
+        .domain()
+        .map_err(|e| TrainError::Data(e.to_string()))?;
+    let mut state = x.task.initial_state.clone();
+    for c in &x.calls[..k] {
+        d.apply(&mut state, &c.call)
+            .map_err(|e| TrainError::Data(e.to_string()))?;
+    }
+    let response = d
+        .apply(&mut state, &bad)
+        .map_err(|e| TrainError::Data(e.to_string()))?
+        .to_json();
+    // The conversation as it would look with the slip in place of the gold call.
+    let gold_msg = &x.msgs[gc.message];
+    let mut slipped = gold_msg.clone();
+    let id = match slipped.tool_calls.first_mut() {
+        Some(tc) => {
+            tc.function = bad.clone();
+            tc.id.clone()
+        }
+        None => return Ok(Vec::new()),
+    };
+    let mut conv = x.msgs[..gc.message].to_vec();
+    conv.push(slipped);
+    let examples: Vec<RecordedExample> = x
+        .calls
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != k)
+        .map(|(_, o)| RecordedExample {
+            name: o.call.name.clone(),
+            arguments: o.call.arguments.clone(),
+            response: o.response.clone(),
+        })
+        .collect();
+    let prompt = simulator_prompt(
+        &SimulatorPromptInput {
+            tools: x.tools,
+            examples: &examples,
+            conversation: &conv,
+            call: &bad,
+        },
+        &x.profile.sim_prompt,
+    );
+    let mut out = vec![simulator_text(x.template, &prompt, &response)?];
+    if response.get("error").is_some() {
+        conv.push(tool_message(&id, &bad.name, &response));
+        conv.push(gold_msg.clone());
+        out.push(actor_text_last(x.template, &conv, x.tools_json)?);
+    }
+    Ok(out)
 }
 
 /// An actor example whose prompt carries a rehearsal memory of four imagined branches before
@@ -666,6 +764,7 @@ mod tests {
             tasks_per_domain: 30,
             sim_per_task: 1,
             memory_fraction,
+            slip_fraction: 0.0,
             seed: 7,
         }
     }
@@ -730,6 +829,59 @@ mod tests {
             }
         }
         assert!(slips > 0, "no branch with a slip");
+    }
+
+    #[test]
+    fn slips_teach_the_simulator_real_errors_and_the_actor_to_recover() {
+        let c = CorpusConfig {
+            slip_fraction: 1.0,
+            ..cfg(0.0)
+        };
+        let plain = corpus(
+            &Domain::ALL,
+            Split::Train,
+            &PromptProfile::compact(),
+            &cfg(0.0),
+        )
+        .unwrap();
+        let texts = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact(), &c).unwrap();
+        let extra = texts.len() - plain.len();
+        assert!(extra >= 90, "{extra} slip examples for 90 tasks");
+        let target = |t: &Segmented| {
+            t.segments
+                .iter()
+                .filter(|s| s.1)
+                .map(|s| s.0.clone())
+                .collect::<String>()
+        };
+        let sim_errors = texts
+            .iter()
+            .filter(|t| t.role == Role::Tool && target(t).contains("\"not_found\""))
+            .count();
+        let plain_errors = plain
+            .iter()
+            .filter(|t| t.role == Role::Tool && target(t).contains("\"not_found\""))
+            .count();
+        assert!(
+            sim_errors >= plain_errors + 30,
+            "not_found targets: {plain_errors} -> {sim_errors}"
+        );
+        // Recovery examples: an error in the prompt, one trained turn, a tool call.
+        let recoveries: Vec<&Segmented> = texts
+            .iter()
+            .filter(|t| {
+                t.role == Role::Assistant
+                    && t.segments.iter().filter(|s| s.1).count() == 1
+                    && !t.text().contains(MEMORY_HEADING)
+            })
+            .collect();
+        assert!(recoveries.len() >= 30, "{} recoveries", recoveries.len());
+        for r in recoveries {
+            let t = target(r);
+            assert!(t.starts_with("<tool_call>"), "{t}");
+            let before = &r.text()[..r.text().find(t.as_str()).unwrap()];
+            assert!(before.contains("{\"error\""), "no error before the retry");
+        }
     }
 
     #[test]
