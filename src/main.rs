@@ -129,6 +129,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.sim_per_task = a.sim_per_task;
     cfg.corpus.memory_fraction = a.memory_fraction;
     cfg.corpus.slip_fraction = a.slip_fraction;
+    cfg.corpus.copy_per_task = a.copy_per_task;
     cfg.corpus.seed = a.seed;
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;

@@ -31,7 +31,7 @@ use crate::engine::types::{
     RecordedExample, SimulatedOutcome,
 };
 use crate::env::ToolSpec;
-use crate::env::domains::Domain;
+use crate::env::domains::{Domain, sample_entities};
 use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
 use crate::message::{Message, Role, ToolCall};
 use crate::runtime::CancelToken;
@@ -74,6 +74,12 @@ pub struct CorpusConfig {
     /// response is an error, an actor example recovering with the gold call.
     #[serde(default)]
     pub slip_fraction: f64,
+    /// Copy drills per task: short conversations whose reply repeats a list of train-split
+    /// entities (ids, names, amounts, places) exactly. Dense practice of the one skill the
+    /// tasks hinge on — carrying a value from the request into a call — which a small model
+    /// otherwise learns slowly from the sparse copies inside full episodes.
+    #[serde(default)]
+    pub copy_per_task: f64,
     pub seed: u64,
 }
 
@@ -84,6 +90,7 @@ impl Default for CorpusConfig {
             sim_per_task: 0,
             memory_fraction: 0.0,
             slip_fraction: 0.0,
+            copy_per_task: 0.0,
             seed: 0,
         }
     }
@@ -105,6 +112,7 @@ impl Default for PretrainConfig {
                 sim_per_task: 1,
                 memory_fraction: 0.4,
                 slip_fraction: 0.3,
+                copy_per_task: 1.0,
                 seed: 0,
             },
             sft: SftConfig {
@@ -308,6 +316,9 @@ pub fn corpus(
                 };
                 out.extend(slip_examples(&slip, &mut rng)?);
             }
+            if cfg.copy_per_task > 0.0 && rng.random::<f64>() < cfg.copy_per_task {
+                out.push(copy_drill(&t, split, rng.random::<u64>())?);
+            }
         }
     }
     Ok(out)
@@ -363,6 +374,22 @@ fn corrupt_call(call: &ToolCall, rng: &mut StdRng) -> Option<ToolCall> {
         name: call.name.clone(),
         arguments: Value::Object(new),
     })
+}
+
+/// System prompt of the copy drills.
+pub const COPY_SYSTEM: &str = "Repeat the items exactly.";
+
+/// A copy drill: 4-10 entities of the split, echoed in order (see
+/// [`CorpusConfig::copy_per_task`]).
+fn copy_drill(t: &ChatTemplate, split: Split, seed: u64) -> Result<Segmented, TrainError> {
+    let n = 4 + (seed % 7) as usize;
+    let items = sample_entities(split, seed, n).join(", ");
+    let msgs = vec![
+        Message::system(COPY_SYSTEM),
+        Message::user(items.clone()),
+        Message::assistant(items),
+    ];
+    actor_text_last(t, &msgs, &[])
 }
 
 /// What [`slip_examples`] needs from the task being rendered.
@@ -765,6 +792,7 @@ mod tests {
             sim_per_task: 1,
             memory_fraction,
             slip_fraction: 0.0,
+            copy_per_task: 0.0,
             seed: 7,
         }
     }
@@ -881,6 +909,38 @@ mod tests {
             assert!(t.starts_with("<tool_call>"), "{t}");
             let before = &r.text()[..r.text().find(t.as_str()).unwrap()];
             assert!(before.contains("{\"error\""), "no error before the retry");
+        }
+    }
+
+    #[test]
+    fn copy_drills_echo_train_split_entities() {
+        let c = CorpusConfig {
+            copy_per_task: 1.0,
+            ..cfg(0.0)
+        };
+        let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+        let drills: Vec<&Segmented> = texts
+            .iter()
+            .filter(|t| t.text().contains(COPY_SYSTEM))
+            .collect();
+        assert_eq!(drills.len(), 30);
+        for d in drills {
+            let trained: Vec<&(String, bool)> = d.segments.iter().filter(|s| s.1).collect();
+            assert_eq!(trained.len(), 1);
+            let reply = trained[0].0.trim_end_matches(END);
+            let user = d.text();
+            let user = user
+                .split("<|im_start|>user\n")
+                .nth(1)
+                .and_then(|u| u.split(END).next())
+                .unwrap()
+                .to_string();
+            assert_eq!(reply, user);
+            for item in reply.split(", ") {
+                if let Some(n) = item.rsplit('_').next().and_then(|n| n.parse::<i64>().ok()) {
+                    assert!(!crate::env::domains::held_out(n), "{item} is a test value");
+                }
+            }
         }
     }
 

@@ -515,6 +515,27 @@ impl Pools {
     }
 }
 
+/// `n` entity strings of a split as tasks mention them (ids such as `acc_471`, names, amounts,
+/// days, cities, payees, items), seeded: material for the pretraining corpus's copy drills.
+pub fn sample_entities(split: Split, seed: u64, n: usize) -> Vec<String> {
+    let pools = Pools::new(split);
+    let mut rng = Rng::new(seed);
+    const PREFIXES: &[&str] = &["acc", "card", "ord", "sku", "fl", "bk"];
+    (0..n)
+        .map(|_| match rng.below(7) {
+            0 | 1 => {
+                let prefix = *rng.pick(PREFIXES);
+                pools.ids(&mut rng, prefix, 1).remove(0)
+            }
+            2 => (*rng.pick(pools.names)).to_string(),
+            3 => pools.amount(&mut rng).to_string(),
+            4 => (*rng.pick(pools.cities)).to_string(),
+            5 => (*rng.pick(pools.payees)).to_string(),
+            _ => (*rng.pick(pools.items)).to_string(),
+        })
+        .collect()
+}
+
 /// Shorthand for a gold call.
 pub(crate) fn call(name: &str, arguments: Value) -> ToolCall {
     ToolCall {
