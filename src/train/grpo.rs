@@ -55,8 +55,10 @@ pub struct GrpoConfig {
     pub seed: u64,
     pub checkpoint_every: usize,
     pub time_budget_s: Option<f64>,
-    /// Stop when the step's mean reward falls below this fraction of the first step's (after
-    /// `collapse_patience` steps), or the actor's format-error rate exceeds 0.5.
+    /// Stop when the mean reward of the last `collapse_patience` steps falls below this fraction
+    /// of the mean of the first `collapse_patience` steps (a window, not one step: at low
+    /// success one group more or less swings a single step's reward to 0), or the actor's
+    /// format-error rate exceeds 0.5.
     pub collapse_fraction: f64,
     pub collapse_patience: usize,
     /// Grounding loss (our extension, off at 0): each step also minimises this weight times the
@@ -351,6 +353,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     let t0 = Instant::now();
     let (mut first, mut last, mut episodes) = (f64::NAN, f64::NAN, 0usize);
     let mut stopped = "steps".to_string();
+    let mut history: Vec<f64> = Vec::new();
     let tok_json = model_dir.join("tokenizer.json");
     while step < cfg.steps {
         if cancel.is_cancelled() {
@@ -584,14 +587,9 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                 step,
             )?;
         }
-        if step > cfg.collapse_patience
-            && first > 0.0
-            && mean_reward < cfg.collapse_fraction * first
-        {
-            stopped = format!(
-                "collapse: reward {mean_reward:.3} < {:.2} × first {first:.3}",
-                cfg.collapse_fraction
-            );
+        history.push(mean_reward);
+        if let Some(msg) = collapsed(&history, cfg.collapse_patience, cfg.collapse_fraction) {
+            stopped = msg;
             sink.log(&stopped);
             break;
         }
@@ -611,6 +609,23 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         last_reward: last,
         stopped,
         seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Whether the reward collapsed: the mean of the last `patience` steps below `fraction` × the
+/// mean of the first `patience` steps (checked once both windows are full and distinct).
+pub fn collapsed(history: &[f64], patience: usize, fraction: f64) -> Option<String> {
+    let p = patience.max(1);
+    if history.len() < 2 * p {
+        return None;
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let first = mean(&history[..p]);
+    let recent = mean(&history[history.len() - p..]);
+    (first > 0.0 && recent < fraction * first).then(|| {
+        format!(
+            "collapse: mean reward of the last {p} steps {recent:.3} < {fraction:.2} × the first {p} steps' {first:.3}"
+        )
     })
 }
 
@@ -721,6 +736,18 @@ mod tests {
             loss_mask: vec![1],
             reward: Some(reward),
         }
+    }
+
+    #[test]
+    fn collapse_is_judged_on_windows_not_on_one_unlucky_step() {
+        // One group's success more or less: a single 0 after a low start is not a collapse.
+        let noisy = [0.0625, 0.0, 0.0, 0.0625, 0.0, 0.0];
+        assert_eq!(collapsed(&noisy, 5, 0.25), None);
+        let steady = [0.06, 0.0, 0.06, 0.0, 0.06, 0.0, 0.06, 0.0, 0.06, 0.0];
+        assert_eq!(collapsed(&steady, 5, 0.25), None);
+        let falls = [0.5, 0.4, 0.5, 0.45, 0.5, 0.1, 0.0, 0.05, 0.0, 0.0];
+        assert!(collapsed(&falls, 5, 0.25).unwrap().starts_with("collapse"));
+        assert_eq!(collapsed(&falls[..9], 5, 0.25), None, "windows not full yet");
     }
 
     #[test]
