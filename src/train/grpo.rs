@@ -747,7 +747,11 @@ mod tests {
         assert_eq!(collapsed(&steady, 5, 0.25), None);
         let falls = [0.5, 0.4, 0.5, 0.45, 0.5, 0.1, 0.0, 0.05, 0.0, 0.0];
         assert!(collapsed(&falls, 5, 0.25).unwrap().starts_with("collapse"));
-        assert_eq!(collapsed(&falls[..9], 5, 0.25), None, "windows not full yet");
+        assert_eq!(
+            collapsed(&falls[..9], 5, 0.25),
+            None,
+            "windows not full yet"
+        );
     }
 
     #[test]
