@@ -27,10 +27,10 @@ use envace::session::{
 };
 use serde_json::{Value, json};
 
-const TASK: &str = "bank-test-0001"; // "Transfer 591 from acc_688 to acc_840." (succeeds)
-const TRANSFER: &str = r#"<tool_call>{"name":"transfer","arguments":{"src":"acc_688","dst":"acc_840","amount":591}}</tool_call>"#;
+const TASK: &str = "bank-test-0001"; // "Move 669 from acc_965 to acc_519." (succeeds)
+const TRANSFER: &str = r#"<tool_call>{"name":"transfer","arguments":{"src":"acc_965","dst":"acc_519","amount":669}}</tool_call>"#;
 const BALANCE: &str =
-    r#"<tool_call>{"name":"get_balance","arguments":{"acc":"acc_688"}}</tool_call>"#;
+    r#"<tool_call>{"name":"get_balance","arguments":{"acc":"acc_965"}}</tool_call>"#;
 
 fn model_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny")
@@ -240,7 +240,7 @@ fn forks_with_edits_replay_the_history_on_the_live_environment() {
     let balance = |env: &mut DomainEnv| {
         env.call_sync(
             &serde_json::from_value(
-                json!({"name": "get_balance", "arguments": {"acc": "acc_688"}}),
+                json!({"name": "get_balance", "arguments": {"acc": "acc_965"}}),
             )
             .unwrap(),
         )
