@@ -387,7 +387,8 @@ pub struct PretrainArgs {
     /// simulator example, and an actor example that recovers with the gold call.
     #[arg(long, default_value_t = 0.3)]
     pub slip_fraction: f64,
-    /// Copy drills per task (short conversations that echo train-split entities exactly).
+    /// Copy drills per task (short conversations that echo train-split entities exactly; a
+    /// fraction is a probability: 2.5 = two drills, and a third half the time).
     #[arg(long, default_value_t = 1.0)]
     pub copy_per_task: f64,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).

@@ -74,7 +74,8 @@ pub struct CorpusConfig {
     /// response is an error, an actor example recovering with the gold call.
     #[serde(default)]
     pub slip_fraction: f64,
-    /// Copy drills per task: short conversations whose reply repeats a list of train-split
+    /// Copy drills per task (a fraction is a probability; 2.5 = two, and a third half the
+    /// time): short conversations whose reply repeats a list of train-split
     /// entities (ids, names, amounts, places) exactly. Dense practice of the one skill the
     /// tasks hinge on — carrying a value from the request into a call — which a small model
     /// otherwise learns slowly from the sparse copies inside full episodes.
@@ -316,7 +317,10 @@ pub fn corpus(
                 };
                 out.extend(slip_examples(&slip, &mut rng)?);
             }
-            if cfg.copy_per_task > 0.0 && rng.random::<f64>() < cfg.copy_per_task {
+            // Whole drills, then one more with the fractional part's probability.
+            let whole = cfg.copy_per_task.max(0.0).floor();
+            let extra = usize::from(rng.random::<f64>() < cfg.copy_per_task - whole);
+            for _ in 0..whole as usize + extra {
                 out.push(copy_drill(&t, split, rng.random::<u64>())?);
             }
         }
@@ -924,6 +928,13 @@ mod tests {
             .filter(|t| t.text().contains(COPY_SYSTEM))
             .collect();
         assert_eq!(drills.len(), 30);
+        let c3 = CorpusConfig {
+            copy_per_task: 3.0,
+            ..c.clone()
+        };
+        let t3 = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c3).unwrap();
+        let n3 = t3.iter().filter(|t| t.text().contains(COPY_SYSTEM)).count();
+        assert_eq!(n3, 90, "three whole drills per task");
         for d in drills {
             let trained: Vec<&(String, bool)> = d.segments.iter().filter(|s| s.1).collect();
             assert_eq!(trained.len(), 1);
