@@ -40,20 +40,23 @@ fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) {
     let d = rel_diff(a, b);
-    assert!(d < tol, "{what}: fused vs slow differ by {d} (tolerance {tol})");
+    assert!(
+        d < tol,
+        "{what}: fused vs slow differ by {d} (tolerance {tol})"
+    );
 }
 
 /// `f` on fresh vars of `inputs` under both kernels; a random cotangent makes the loss
 /// Σ f(..)·c. Returns (output, gradient of each input) for fused and slow.
-fn both(
-    inputs: &[Tensor],
-    f: impl Fn(&[Tensor]) -> Tensor,
-) -> Vec<(Tensor, Vec<Option<Tensor>>)> {
+fn both(inputs: &[Tensor], f: impl Fn(&[Tensor]) -> Tensor) -> Vec<(Tensor, Vec<Option<Tensor>>)> {
     KERNELS
         .iter()
         .map(|&k| {
             with_kernels(k, || {
-                let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+                let vars: Vec<Var> = inputs
+                    .iter()
+                    .map(|t| Var::from_tensor(t).unwrap())
+                    .collect();
                 let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
                 let y = f(&ts);
                 let c = rand(y.dims(), 99);
@@ -117,8 +120,14 @@ fn rope_both_layouts_match_slow() {
     for interleaved in [false, true] {
         for (b, h, seed) in [(1, 1, 6), (3, 4, 7), (8, 8, 8)] {
             let x = rand(&[b, h, l, d], seed);
-            let r = both(&[x], |t| fused::rope(&t[0], &cos, &sin, interleaved).unwrap());
-            compare(&format!("rope interleaved={interleaved} b{b} h{h}"), &r, 1e-5);
+            let r = both(&[x], |t| {
+                fused::rope(&t[0], &cos, &sin, interleaved).unwrap()
+            });
+            compare(
+                &format!("rope interleaved={interleaved} b{b} h{h}"),
+                &r,
+                1e-5,
+            );
         }
     }
 }
@@ -135,7 +144,11 @@ fn softmax_with_and_without_causal_mask_matches_slow() {
         }
     }
     let mask = Tensor::from_vec(mask, (rows, l), &Device::Cpu).unwrap();
-    for (masked, shape) in [(false, [2, 3, rows, l]), (true, [2, 3, rows, l]), (true, [40, 4, rows, l])] {
+    for (masked, shape) in [
+        (false, [2, 3, rows, l]),
+        (true, [2, 3, rows, l]),
+        (true, [40, 4, rows, l]),
+    ] {
         let x = rand(&shape, 9);
         let r = both(&[x], |t| {
             let a = if masked {
@@ -196,13 +209,26 @@ fn decoder_grads_match(family: Family, interleaved: bool) {
     };
     let (lf, gf) = run(Kernels::Fused);
     let (ls, gs) = run(Kernels::Slow);
-    assert!((lf - ls).abs() < 1e-5 * ls.abs().max(1.0), "loss {lf} vs {ls}");
+    assert!(
+        (lf - ls).abs() < 1e-5 * ls.abs().max(1.0),
+        "loss {lf} vs {ls}"
+    );
     let vars = model.named_vars();
     assert!(!vars.is_empty());
     for (name, v) in vars {
-        let a = gf.get(v.as_tensor()).unwrap_or_else(|| panic!("fused: no grad for {name}"));
-        let b = gs.get(v.as_tensor()).unwrap_or_else(|| panic!("slow: no grad for {name}"));
-        let nz = a.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        let a = gf
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("fused: no grad for {name}"));
+        let b = gs
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("slow: no grad for {name}"));
+        let nz = a
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(nz > 0.0, "{name}: zero gradient");
         assert_close(&format!("{family:?} {name}"), a, b, 1e-4);
     }

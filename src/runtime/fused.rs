@@ -123,7 +123,9 @@ where
     F: Fn(&mut [f32], &[f32]) + Sync + Send,
 {
     if out.len() < PAR_MIN_ELEMS {
-        out.chunks_mut(d).zip(a.chunks(d)).for_each(|(o, a)| f(o, a));
+        out.chunks_mut(d)
+            .zip(a.chunks(d))
+            .for_each(|(o, a)| f(o, a));
     } else {
         out.par_chunks_mut(d)
             .zip(a.par_chunks(d))
@@ -354,7 +356,10 @@ impl CustomOp3 for RopeOp {
         let (_, _, l, d) = l1.shape().dims4()?;
         let h = d / 2;
         if d % 2 != 0 || cos.len() != l * h || sin.len() != l * h {
-            bail!("{name}: x {:?} does not match cos/sin ({l}, {h})", l1.dims());
+            bail!(
+                "{name}: x {:?} does not match cos/sin ({l}, {h})",
+                l1.dims()
+            );
         }
         let sign = if self.inverse { -1f32 } else { 1f32 };
         let interleaved = self.interleaved;
@@ -365,7 +370,8 @@ impl CustomOp3 for RopeOp {
                 let c = &cos[t * h..(t + 1) * h];
                 let s = &sin[t * h..(t + 1) * h];
                 if interleaved {
-                    for (((o, x), &c), &s) in o.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s)
+                    for (((o, x), &c), &s) in
+                        o.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s)
                     {
                         let s = s * sign;
                         o[0] = x[0] * c - x[1] * s;
@@ -570,6 +576,9 @@ impl CustomOp2 for TokenLogprobOp {
     }
 }
 
+/// One row's inputs in [`TokenLogprobBwd`]: (logits, target), (stats, output grads).
+type LogprobBwdRow<'a> = ((&'a [f32], &'a u32), (&'a [f32], &'a [f32]));
+
 /// d/dx of g_lp · log p(t) + g_H · H: g_lp (δ_jt − p_j) − g_H p_j (log p_j + H).
 struct TokenLogprobBwd {
     stats: Vec<f32>,
@@ -596,7 +605,7 @@ impl CustomOp2 for TokenLogprobBwd {
             bail!("{name}: shapes do not line up");
         }
         let mut out = vec![0f32; x.len()];
-        let row = |(o, ((x, &t), (st, gr))): (&mut [f32], ((&[f32], &u32), (&[f32], &[f32])))| {
+        let row = |(o, ((x, &t), (st, gr))): (&mut [f32], LogprobBwdRow)| {
             let (lse, ent) = (st[1], st[2]);
             let (g_lp, g_ent) = (gr[0], gr[2]);
             if g_ent == 0.0 {
@@ -718,6 +727,9 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// One chunk of (param, grad), m, v in [`AdamWOp`].
+type AdamWChunk<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+
 struct AdamWOp<'a> {
     m: RefCell<&'a mut [f32]>,
     v: RefCell<&'a mut [f32]>,
@@ -729,7 +741,13 @@ impl InplaceOp2 for AdamWOp<'_> {
         "envace-adamw"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
         let name = self.name();
         let g = f32s(s2, l2, name)?;
         let Some((a, b)) = l1.contiguous_offsets() else {
@@ -753,7 +771,7 @@ impl InplaceOp2 for AdamWOp<'_> {
         let h = self.h;
         let decay = 1.0 - h.lr * h.weight_decay;
         let (ib1, ib2) = (1.0 / h.bc1, 1.0 / h.bc2);
-        let update = |(((p, g), m), v): (((&mut [f32], &[f32]), &mut [f32]), &mut [f32])| {
+        let update = |(((p, g), m), v): AdamWChunk| {
             for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                 let g = g * h.grad_scale;
                 *m = h.beta1 * *m + (1.0 - h.beta1) * g;
@@ -801,7 +819,11 @@ pub fn adamw_update(
 /// Σ x² over a tensor, accumulated in f64 per block (block order fixed: deterministic).
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     if !fused_for(&[t]) {
-        let s = t.sqr()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let s = t
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
         return Ok(s as f64);
     }
     let t = t.contiguous()?;
@@ -842,7 +864,9 @@ mod tests {
     fn randn(shape: &[usize], seed: u64) -> Tensor {
         // A small LCG: deterministic without a device RNG.
         let n: usize = shape.iter().product();
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let data: Vec<f32> = (0..n)
             .map(|_| {
                 s = s
@@ -872,7 +896,9 @@ mod tests {
         let outer = Kernels::current();
         with_kernels(Kernels::Slow, || {
             assert_eq!(Kernels::current(), Kernels::Slow);
-            with_kernels(Kernels::Fused, || assert_eq!(Kernels::current(), Kernels::Fused));
+            with_kernels(Kernels::Fused, || {
+                assert_eq!(Kernels::current(), Kernels::Fused)
+            });
             assert_eq!(Kernels::current(), Kernels::Slow);
         });
         assert_eq!(Kernels::current(), outer);
@@ -889,11 +915,8 @@ mod tests {
     #[test]
     fn softmax_rows_sum_to_one_and_masked_entries_are_zero() {
         let x = randn(&[3, 5], 1);
-        let mask = Tensor::new(
-            &[[0f32, f32::NEG_INFINITY, 0.0, 0.0, 0.0]; 3],
-            &Device::Cpu,
-        )
-        .unwrap();
+        let mask =
+            Tensor::new(&[[0f32, f32::NEG_INFINITY, 0.0, 0.0, 0.0]; 3], &Device::Cpu).unwrap();
         let y = with_kernels(Kernels::Fused, || {
             softmax_last_dim(&x.broadcast_add(&mask).unwrap()).unwrap()
         });
@@ -962,7 +985,13 @@ mod tests {
     #[test]
     fn sum_squares_matches_the_tensor_reduction() {
         let t = randn(&[70_001], 7);
-        let want = t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+        let want = t
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64;
         let got = with_kernels(Kernels::Fused, || sum_squares(&t).unwrap());
         assert!((got - want).abs() / want < 1e-5, "{got} vs {want}");
     }

@@ -56,8 +56,7 @@ enum Moments {
 
 impl Moments {
     fn zeros(p: &Tensor) -> Result<Self> {
-        if Kernels::current() == Kernels::Fused && p.dtype() == DType::F32 && p.device().is_cpu()
-        {
+        if Kernels::current() == Kernels::Fused && p.dtype() == DType::F32 && p.device().is_cpu() {
             let n = p.elem_count();
             return Ok(Self::Host {
                 m: vec![0.0; n],
@@ -165,7 +164,11 @@ impl AdamW {
                 continue;
             }
             moments.make_tensors(p.as_tensor())?;
-            let Moments::Tensors { m: m_prev, v: v_prev } = moments else {
+            let Moments::Tensors {
+                m: m_prev,
+                v: v_prev,
+            } = moments
+            else {
                 continue;
             };
             let g = if grad_scale != 1.0 {
