@@ -1,7 +1,8 @@
 //! The fused training kernels (`runtime::fused`) against candle's slow differentiable ops: every
-//! op's forward and gradients on random inputs, both RoPE layouts, softmax with and without a
-//! causal mask, GQA decoders of each family end to end (loss and every weight's gradient), and
-//! AdamW steps. `with_kernels` switches per call, so one process compares both paths.
+//! op's forward and gradients on random inputs (RMSNorm, SwiGLU gate, both RoPE layouts, softmax
+//! with and without a causal mask, token log-probs and entropy), GQA decoders of each family end
+//! to end (loss and every weight's gradient), and AdamW steps. `with_kernels` switches per call,
+//! so one process compares both paths.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -159,6 +160,16 @@ fn softmax_with_and_without_causal_mask_matches_slow() {
             fused::softmax_last_dim(&a).unwrap()
         });
         compare(&format!("softmax masked={masked} {shape:?}"), &r, 1e-5);
+    }
+}
+
+#[test]
+fn silu_mul_forward_and_grads_match_silu_times_up() {
+    for (shape, seed) in [([3, 5, 7], 12), ([8, 64, 768], 13)] {
+        let g = rand(&shape, seed);
+        let u = rand(&shape, seed + 1);
+        let r = both(&[g, u], |t| fused::silu_mul(&t[0], &t[1]).unwrap());
+        compare(&format!("silu_mul {shape:?}"), &r, 1e-5);
     }
 }
 

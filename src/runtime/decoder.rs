@@ -225,6 +225,13 @@ impl Mlp {
         let u = self.up_proj.forward(x)?;
         self.down_proj.forward(&(g * u)?)
     }
+
+    /// [`Mlp::forward`] for [`Pass::Train`]: the gate as one fused op with its own backward.
+    fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate_proj.forward(x)?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&super::fused::silu_mul(&g, &u)?)
+    }
 }
 
 /// One transformer block.
@@ -421,7 +428,10 @@ impl Decoder {
             x = (r + y)?;
             let r = x.clone();
             let y = layer.post_attention_layernorm.forward(&x, pass)?;
-            let y = layer.mlp.forward(&y)?;
+            let y = match pass {
+                Pass::Infer => layer.mlp.forward(&y)?,
+                Pass::Train => layer.mlp.forward_train(&y)?,
+            };
             x = (r + y)?;
         }
         cache.advance(l);
