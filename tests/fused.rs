@@ -93,6 +93,27 @@ fn rms_norm_forward_and_grads_match_slow() {
 }
 
 #[test]
+fn frozen_inputs_receive_no_gradient() {
+    // A LoRA base: the norm weight is a plain tensor, only x is trained.
+    let x = Var::from_tensor(&rand(&[4, 8], 20)).unwrap();
+    let w = rand(&[8], 21);
+    let u = rand(&[4, 8], 22);
+    for k in KERNELS {
+        with_kernels(k, || {
+            let y = fused::rms_norm(x.as_tensor(), &w, 1e-6).unwrap();
+            let y = fused::silu_mul(&y, &u).unwrap();
+            let g = y.sum_all().unwrap().backward().unwrap();
+            assert!(g.get(x.as_tensor()).is_some(), "{k:?}");
+            assert!(g.get(&w).is_none(), "{k:?}: frozen weight got a gradient");
+            // candle's own `mul` backward does give the constant one; ours does not.
+            if k == Kernels::Fused {
+                assert!(g.get(&u).is_none(), "fused: constant got a gradient");
+            }
+        });
+    }
+}
+
+#[test]
 fn rms_norm_on_a_transposed_view_matches_slow() {
     // The decoder's q/k norms get (b, h, l, d) views of (b, l, h, d) data.
     let x = rand(&[2, 5, 3, 16], 4).transpose(1, 2).unwrap();

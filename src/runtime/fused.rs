@@ -172,6 +172,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// A gradient for `arg` only if it takes part in autograd: candle stores whatever a custom
+/// op's backward returns, and a frozen tensor (a LoRA base weight) must receive none.
+fn tracked(arg: &Tensor, grad: Tensor) -> Option<Tensor> {
+    arg.track_op().then_some(grad)
+}
+
 #[inline]
 fn max_of(a: &[f32]) -> f32 {
     a.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
@@ -230,7 +236,7 @@ impl CustomOp2 for RmsNormOp {
         let packed = x.apply_op3_no_bwd(w, &g.contiguous()?, &RmsNormBwd { eps: self.eps })?;
         let gx = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
         let gw = packed.narrow(0, rows, 1)?.reshape(d)?;
-        Ok((Some(gx), Some(gw)))
+        Ok((tracked(x, gx), tracked(w, gw)))
     }
 }
 
@@ -394,7 +400,7 @@ impl CustomOp3 for RopeOp {
 
     fn bwd(
         &self,
-        _x: &Tensor,
+        x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         _y: &Tensor,
@@ -408,7 +414,7 @@ impl CustomOp3 for RopeOp {
                 inverse: !self.inverse,
             },
         )?;
-        Ok((Some(gx), None, None))
+        Ok((tracked(x, gx), None, None))
     }
 }
 
@@ -460,8 +466,11 @@ impl CustomOp1 for SoftmaxOp {
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
-    fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxBwd)?))
+    fn bwd(&self, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(tracked(
+            x,
+            y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxBwd)?,
+        ))
     }
 }
 
@@ -552,7 +561,7 @@ impl CustomOp2 for SiluMulOp {
         let packed = g.apply_op3_no_bwd(u, &grad.contiguous()?, &SiluMulBwd)?;
         let dg = packed.narrow(0, 0, 1)?.reshape(g.shape())?;
         let du = packed.narrow(0, 1, 1)?.reshape(u.shape())?;
-        Ok((Some(dg), Some(du)))
+        Ok((tracked(g, dg), tracked(u, du)))
     }
 }
 
@@ -689,7 +698,10 @@ impl CustomOp2 for TokenLogprobOp {
             stats: res.flatten_all()?.to_vec1::<f32>()?,
             grads: g.flatten_all()?.to_vec1::<f32>()?,
         };
-        Ok((Some(logits.apply_op2_no_bwd(targets, &op)?), None))
+        Ok((
+            tracked(logits, logits.apply_op2_no_bwd(targets, &op)?),
+            None,
+        ))
     }
 }
 
