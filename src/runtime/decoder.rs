@@ -3,7 +3,8 @@
 //! Why it exists: candle-transformers' stock models cannot train (their fused ops have no
 //! backward) and hide their KV cache. This decoder
 //! - runs candle's fused ops (`rms_norm`, `rope`, `softmax_last_dim`) in [`Pass::Infer`] and
-//!   the differentiable ones (`rms_norm_slow`, `rope_slow`, `softmax`) in [`Pass::Train`];
+//!   differentiable ones in [`Pass::Train`]: the fused custom ops with their own backward in
+//!   [`super::fused`] (f32 on CPU), else candle's `rms_norm_slow`, `rope_slow`, `softmax`;
 //! - takes an explicit, batched, forkable [`KvCache`] (rehearsal branches share a prefill);
 //! - returns logits for every position when asked (the trainer needs them);
 //! - holds each projection either dense (safetensors, trainable, optionally LoRA-wrapped) or
@@ -14,7 +15,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::QMatMul;
-use candle_core::{D, DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use super::config::DecoderConfig;
 use super::kv_cache::KvCache;
@@ -148,7 +149,7 @@ impl RmsNorm {
             Pass::Infer => {
                 candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
             }
-            Pass::Train => candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps as f32),
+            Pass::Train => super::fused::rms_norm(x, &self.weight, self.eps as f32),
         }
     }
 }
@@ -194,8 +195,7 @@ impl Rope {
         match (pass, self.interleaved) {
             (Pass::Infer, false) => candle_nn::rotary_emb::rope(&x, &cos, &sin),
             (Pass::Infer, true) => candle_nn::rotary_emb::rope_i(&x, &cos, &sin),
-            (Pass::Train, false) => candle_nn::rotary_emb::rope_slow(&x, &cos, &sin),
-            (Pass::Train, true) => candle_nn::rotary_emb::rope_i_slow(&x, &cos, &sin),
+            (Pass::Train, interleaved) => super::fused::rope(&x, &cos, &sin, interleaved),
         }
     }
 }
@@ -224,6 +224,13 @@ impl Mlp {
         let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
         let u = self.up_proj.forward(x)?;
         self.down_proj.forward(&(g * u)?)
+    }
+
+    /// [`Mlp::forward`] for [`Pass::Train`]: the gate as one fused op with its own backward.
+    fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate_proj.forward(x)?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&super::fused::silu_mul(&g, &u)?)
     }
 }
 
@@ -352,7 +359,7 @@ impl Attention {
         };
         let att = match pass {
             Pass::Infer => candle_nn::ops::softmax_last_dim(&att.contiguous()?)?,
-            Pass::Train => candle_nn::ops::softmax(&att, D::Minus1)?,
+            Pass::Train => super::fused::softmax_last_dim(&att)?,
         };
         let out = att.matmul(&v)?; // (b, nkv, groups*l, hd)
         let out = out
@@ -421,7 +428,10 @@ impl Decoder {
             x = (r + y)?;
             let r = x.clone();
             let y = layer.post_attention_layernorm.forward(&x, pass)?;
-            let y = layer.mlp.forward(&y)?;
+            let y = match pass {
+                Pass::Infer => layer.mlp.forward(&y)?,
+                Pass::Train => layer.mlp.forward_train(&y)?,
+            };
             x = (r + y)?;
         }
         cache.advance(l);

@@ -10,6 +10,7 @@ pub mod config;
 pub mod decoder;
 pub mod device;
 pub mod fixture;
+pub mod fused;
 pub mod generate;
 pub mod kv_cache;
 pub mod loader;

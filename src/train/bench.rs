@@ -1,7 +1,9 @@
 //! `envace bench train`: training throughput of the trainable decoder — forward + backward +
 //! AdamW on a batch of seeded random token sequences, every position trained — and peak memory,
 //! for full fine-tuning or LoRA, on a model directory or a named shape (seeded random weights;
-//! no download needed). The reported tokens/s counts every input token of the batch.
+//! no download needed). The reported tokens/s counts every input token of the batch; the step
+//! is also split into forward, backward and optimizer time, and the kernels in use are named
+//! (`ENVACE_SLOW_OPS=1` selects candle's slow differentiable ops, for A/B runs).
 
 use std::path::Path;
 use std::time::Instant;
@@ -15,6 +17,7 @@ use super::lora::LoraConfig;
 use super::model::{Example, TrainableModel, masked_nll};
 use super::optim::{AdamW, AdamWConfig};
 use crate::runtime::config::{DecoderConfig, Family};
+use crate::runtime::fused::Kernels;
 
 /// Benchmark settings.
 #[derive(Debug, Clone)]
@@ -48,7 +51,15 @@ pub struct TrainBenchResult {
     pub seq: usize,
     pub steps: usize,
     pub step_s_median: f64,
+    /// Medians of the step's parts: forward to the loss, `backward()`, optimizer (grad norm +
+    /// AdamW). Each is the median over the timed steps, so they need not add up to the step.
+    pub fwd_s_median: f64,
+    pub bwd_s_median: f64,
+    pub opt_s_median: f64,
     pub tokens_per_s: f64,
+    /// `fused` (runtime::fused custom ops) or `slow` (`ENVACE_SLOW_OPS=1`: candle's
+    /// differentiable composite ops).
+    pub kernels: &'static str,
     /// Peak resident memory of the process (Linux `VmHWM`), MiB.
     pub peak_rss_mb: Option<f64>,
 }
@@ -160,18 +171,25 @@ pub fn run(
         .collect();
     let refs: Vec<&Example> = examples.iter().collect();
     let mut opt = AdamW::new(model.named_vars(), AdamWConfig::default())?;
-    let mut times = Vec::with_capacity(cfg.steps);
+    let (mut times, mut fwd, mut bwd, mut optim) = (vec![], vec![], vec![], vec![]);
     for step in 0..=cfg.steps {
         let t = Instant::now();
         let (loss, _) = masked_nll(&model.decoder, &refs)?;
+        let t_fwd = t.elapsed().as_secs_f64();
         let grads = loss.backward()?;
+        let t_bwd = t.elapsed().as_secs_f64();
+        // As the trainers do: the gradient norm (clipping, metrics), then the update.
+        let _ = opt.grad_norm(&grads)?;
         opt.step(&grads, 1e-4, 1.0)?;
+        let t_all = t.elapsed().as_secs_f64();
         if step > 0 {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(t_all);
+            fwd.push(t_fwd);
+            bwd.push(t_bwd - t_fwd);
+            optim.push(t_all - t_bwd);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = median(times);
     Ok(TrainBenchResult {
         model: label.to_string(),
         parameters,
@@ -181,9 +199,18 @@ pub fn run(
         seq: cfg.seq,
         steps: cfg.steps,
         step_s_median: median,
+        fwd_s_median: self::median(fwd),
+        bwd_s_median: self::median(bwd),
+        opt_s_median: self::median(optim),
         tokens_per_s: (cfg.batch * cfg.seq) as f64 / median,
+        kernels: Kernels::current().as_str(),
         peak_rss_mb: peak_rss_mb(),
     })
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 #[cfg(test)]

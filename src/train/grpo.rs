@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use candle_core::{D, Tensor};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
@@ -160,14 +160,7 @@ fn policy_terms(
     let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
     let mut cache = decoder.new_cache();
     let logits = decoder.forward(&inp, &mut cache, Pass::Train, LogitsAt::All)?;
-    let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let lp = lsm.gather(&tgt.unsqueeze(2)?, 2)?.squeeze(2)?;
-    let ent = if entropy {
-        Some((lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?)
-    } else {
-        None
-    };
-    Ok((lp, ent))
+    crate::runtime::fused::token_logprobs_entropy(&logits, &tgt, entropy)
 }
 
 /// The loss pieces of one micro-batch, already divided by `norm` (the step's masked tokens).

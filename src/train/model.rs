@@ -6,13 +6,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{D, DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::runtime::RuntimeError;
 use crate::runtime::config::DecoderConfig;
 use crate::runtime::decoder::{Decoder, LogitsAt, Pass};
 use crate::runtime::fixture::random_weights;
+use crate::runtime::fused;
 use crate::runtime::loader::{
     ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, build_dense, is_adapter_dir,
     load_hf, read_adapter,
@@ -217,8 +218,7 @@ pub fn token_logprobs(decoder: &Decoder, ids: &Tensor) -> candle_core::Result<Te
     let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
     let mut cache = decoder.new_cache();
     let logits = decoder.forward(&inp, &mut cache, Pass::Train, LogitsAt::All)?;
-    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    lp.gather(&tgt.unsqueeze(2)?, 2)?.squeeze(2)
+    fused::token_logprobs(&logits, &tgt)
 }
 
 /// Token-mean negative log-likelihood over the masked tokens, and the number of such tokens.

@@ -1,11 +1,14 @@
 //! AdamW with decoupled weight decay, global-norm gradient clipping and a warmup + cosine
 //! schedule. Our own (not candle_nn's) so that its moments can be checkpointed and restored
-//! bit-for-bit.
+//! bit-for-bit. f32 CPU parameters are updated by one fused pass each (`runtime::fused`),
+//! their moments kept as flat vectors; otherwise (or with `ENVACE_SLOW_OPS=1`) by tensor ops.
 
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
+
+use crate::runtime::fused::{self, AdamWStep, Kernels};
 use serde::{Deserialize, Serialize};
 
 type Result<T> = candle_core::Result<T>;
@@ -43,13 +46,66 @@ pub fn schedule(lr: f64, step: usize, warmup: usize, total: usize, min_ratio: f6
     lr * (min_ratio + (1.0 - min_ratio) * cos)
 }
 
+/// One parameter's first and second moments: tensors (the tensor-op path) or flat vectors that
+/// the fused kernel updates in place. Converted on demand when the path changes.
+#[derive(Debug)]
+enum Moments {
+    Tensors { m: Tensor, v: Tensor },
+    Host { m: Vec<f32>, v: Vec<f32> },
+}
+
+impl Moments {
+    fn zeros(p: &Tensor) -> Result<Self> {
+        if Kernels::current() == Kernels::Fused && p.dtype() == DType::F32 && p.device().is_cpu() {
+            let n = p.elem_count();
+            return Ok(Self::Host {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            });
+        }
+        Ok(Self::Tensors {
+            m: p.zeros_like()?,
+            v: p.zeros_like()?,
+        })
+    }
+
+    /// As tensors shaped like `p` (copies of host moments).
+    fn to_tensors(&self, p: &Tensor) -> Result<(Tensor, Tensor)> {
+        match self {
+            Self::Tensors { m, v } => Ok((m.clone(), v.clone())),
+            Self::Host { m, v } => Ok((
+                Tensor::from_slice(m, p.shape(), p.device())?,
+                Tensor::from_slice(v, p.shape(), p.device())?,
+            )),
+        }
+    }
+
+    fn make_tensors(&mut self, p: &Tensor) -> Result<()> {
+        if let Self::Host { .. } = self {
+            let (m, v) = self.to_tensors(p)?;
+            *self = Self::Tensors { m, v };
+        }
+        Ok(())
+    }
+
+    fn make_host(&mut self) -> Result<()> {
+        if let Self::Tensors { m, v } = self {
+            let flat = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+            *self = Self::Host {
+                m: flat(m)?,
+                v: flat(v)?,
+            };
+        }
+        Ok(())
+    }
+}
+
 /// The optimizer over named variables.
 #[derive(Debug)]
 pub struct AdamW {
     pub cfg: AdamWConfig,
     params: Vec<(String, Var)>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    moments: Vec<Moments>,
     pub step: usize,
 }
 
@@ -57,19 +113,14 @@ impl AdamW {
     /// Parameters are sorted by name so that state files line up across runs.
     pub fn new(mut params: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        let m = params
+        let moments = params
             .iter()
-            .map(|(_, p)| p.as_tensor().zeros_like())
-            .collect::<Result<Vec<_>>>()?;
-        let v = params
-            .iter()
-            .map(|(_, p)| p.as_tensor().zeros_like())
+            .map(|(_, p)| Moments::zeros(p.as_tensor()))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             cfg,
             params,
-            m,
-            v,
+            moments,
             step: 0,
         })
     }
@@ -80,13 +131,7 @@ impl AdamW {
 
     /// Global L2 norm of the gradients of our parameters.
     pub fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
-        let mut sq = 0f64;
-        for (_, p) in &self.params {
-            if let Some(g) = grads.get(p.as_tensor()) {
-                sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-            }
-        }
-        Ok(sq.sqrt())
+        fused::grad_norm(grads, self.params.iter().map(|(_, p)| p.as_tensor()))
     }
 
     /// One update at learning rate `lr`; gradients are scaled by `grad_scale` first (clipping,
@@ -96,8 +141,34 @@ impl AdamW {
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(self.step as i32);
         let bc2 = 1.0 - b2.powi(self.step as i32);
+        let fused_step = AdamWStep {
+            lr: lr as f32,
+            beta1: b1 as f32,
+            beta2: b2 as f32,
+            eps: self.cfg.eps as f32,
+            weight_decay: self.cfg.weight_decay as f32,
+            bc1: bc1 as f32,
+            bc2: bc2 as f32,
+            grad_scale: grad_scale as f32,
+        };
         for (i, (_, p)) in self.params.iter().enumerate() {
             let Some(g) = grads.get(p.as_tensor()) else {
+                continue;
+            };
+            let moments = &mut self.moments[i];
+            if fused::fused_adamw_for(p.as_tensor(), g) {
+                moments.make_host()?;
+                if let Moments::Host { m, v } = moments {
+                    fused::adamw_update(p.as_tensor(), g, m, v, fused_step)?;
+                }
+                continue;
+            }
+            moments.make_tensors(p.as_tensor())?;
+            let Moments::Tensors {
+                m: m_prev,
+                v: v_prev,
+            } = moments
+            else {
                 continue;
             };
             let g = if grad_scale != 1.0 {
@@ -105,15 +176,15 @@ impl AdamW {
             } else {
                 g.clone()
             };
-            let m = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
-            let v = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let m = ((&*m_prev * b1)? + (&g * (1.0 - b1))?)?;
+            let v = ((&*v_prev * b2)? + (g.sqr()? * (1.0 - b2))?)?;
             let m_hat = (&m / bc1)?;
             let v_hat = (&v / bc2)?;
             let update = (m_hat / (v_hat.sqrt()? + self.cfg.eps)?)?;
             let decayed = (p.as_tensor() * (1.0 - lr * self.cfg.weight_decay))?;
             p.set(&(decayed - (update * lr)?)?)?;
-            self.m[i] = m;
-            self.v[i] = v;
+            *m_prev = m;
+            *v_prev = v;
         }
         Ok(())
     }
@@ -121,9 +192,13 @@ impl AdamW {
     /// Moments by parameter name (`m.NAME`, `v.NAME`) for checkpoints.
     pub fn state_tensors(&self) -> HashMap<String, Tensor> {
         let mut out = HashMap::new();
-        for (i, (name, _)) in self.params.iter().enumerate() {
-            out.insert(format!("m.{name}"), self.m[i].clone());
-            out.insert(format!("v.{name}"), self.v[i].clone());
+        for ((name, p), moments) in self.params.iter().zip(&self.moments) {
+            // Host moments are copied into tensors; a failure there (out of memory) leaves the
+            // entry out, which `load_state` reports by name.
+            if let Ok((m, v)) = moments.to_tensors(p.as_tensor()) {
+                out.insert(format!("m.{name}"), m);
+                out.insert(format!("v.{name}"), v);
+            }
         }
         out
     }
@@ -144,12 +219,12 @@ impl AdamW {
             if m.dims() != p.as_tensor().dims() || v.dims() != p.as_tensor().dims() {
                 return Err(format!("optimizer state for {name} has the wrong shape"));
             }
-            self.m[i] = m
-                .to_device(p.as_tensor().device())
-                .map_err(|e| e.to_string())?;
-            self.v[i] = v
-                .to_device(p.as_tensor().device())
-                .map_err(|e| e.to_string())?;
+            self.moments[i] = Moments::Tensors {
+                m: m.to_device(p.as_tensor().device())
+                    .map_err(|e| e.to_string())?,
+                v: v.to_device(p.as_tensor().device())
+                    .map_err(|e| e.to_string())?,
+            };
         }
         self.step = step;
         Ok(())

@@ -1,0 +1,325 @@
+//! The fused training kernels (`runtime::fused`) against candle's slow differentiable ops: every
+//! op's forward and gradients on random inputs (RMSNorm, SwiGLU gate, both RoPE layouts, softmax
+//! with and without a causal mask, token log-probs and entropy), GQA decoders of each family end
+//! to end (loss and every weight's gradient), and AdamW steps. `with_kernels` switches per call,
+//! so one process compares both paths.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use envace::runtime::config::Family;
+use envace::runtime::fixture::tiny_config;
+use envace::runtime::fused::{self, Kernels, with_kernels};
+use envace::train::model::{Example, TrainableModel, masked_nll};
+use envace::train::optim::{AdamW, AdamWConfig};
+
+const KERNELS: [Kernels; 2] = [Kernels::Fused, Kernels::Slow];
+
+fn rand(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let data: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+/// max |a − b| / max(1, max |b|).
+fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+    let d = d.max(0).unwrap().to_scalar::<f32>().unwrap();
+    let m = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    d / m.to_scalar::<f32>().unwrap().max(1.0)
+}
+
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f32) {
+    let d = rel_diff(a, b);
+    assert!(
+        d < tol,
+        "{what}: fused vs slow differ by {d} (tolerance {tol})"
+    );
+}
+
+/// `f` on fresh vars of `inputs` under both kernels; a random cotangent makes the loss
+/// Σ f(..)·c. Returns (output, gradient of each input) for fused and slow.
+fn both(inputs: &[Tensor], f: impl Fn(&[Tensor]) -> Tensor) -> Vec<(Tensor, Vec<Option<Tensor>>)> {
+    KERNELS
+        .iter()
+        .map(|&k| {
+            with_kernels(k, || {
+                let vars: Vec<Var> = inputs
+                    .iter()
+                    .map(|t| Var::from_tensor(t).unwrap())
+                    .collect();
+                let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                let y = f(&ts);
+                let c = rand(y.dims(), 99);
+                let g: GradStore = (&y * &c).unwrap().sum_all().unwrap().backward().unwrap();
+                let grads = ts.iter().map(|t| g.get(t).cloned()).collect();
+                (y, grads)
+            })
+        })
+        .collect()
+}
+
+fn compare(what: &str, r: &[(Tensor, Vec<Option<Tensor>>)], tol: f32) {
+    let (fused, slow) = (&r[0], &r[1]);
+    assert_close(&format!("{what} forward"), &fused.0, &slow.0, tol);
+    for (i, (a, b)) in fused.1.iter().zip(&slow.1).enumerate() {
+        match (a, b) {
+            (Some(a), Some(b)) => assert_close(&format!("{what} grad {i}"), a, b, tol),
+            (None, None) => {}
+            _ => panic!("{what} grad {i}: one path has a gradient, the other not"),
+        }
+    }
+}
+
+#[test]
+fn rms_norm_forward_and_grads_match_slow() {
+    for (rows, d, seed) in [(3, 7, 1), (2 * 63, 256, 2), (8 * 64, 256, 3)] {
+        let x = rand(&[rows, d], seed);
+        let w = rand(&[d], seed + 10);
+        let r = both(&[x, w], |t| fused::rms_norm(&t[0], &t[1], 1e-6).unwrap());
+        compare(&format!("rms_norm {rows}x{d}"), &r, 1e-4);
+        assert!(r[0].1.iter().all(Option::is_some));
+    }
+}
+
+#[test]
+fn frozen_inputs_receive_no_gradient() {
+    // A LoRA base: the norm weight is a plain tensor, only x is trained.
+    let x = Var::from_tensor(&rand(&[4, 8], 20)).unwrap();
+    let w = rand(&[8], 21);
+    let u = rand(&[4, 8], 22);
+    for k in KERNELS {
+        with_kernels(k, || {
+            let y = fused::rms_norm(x.as_tensor(), &w, 1e-6).unwrap();
+            let y = fused::silu_mul(&y, &u).unwrap();
+            let g = y.sum_all().unwrap().backward().unwrap();
+            assert!(g.get(x.as_tensor()).is_some(), "{k:?}");
+            assert!(g.get(&w).is_none(), "{k:?}: frozen weight got a gradient");
+            // candle's own `mul` backward does give the constant one; ours does not.
+            if k == Kernels::Fused {
+                assert!(g.get(&u).is_none(), "fused: constant got a gradient");
+            }
+        });
+    }
+}
+
+#[test]
+fn rms_norm_on_a_transposed_view_matches_slow() {
+    // The decoder's q/k norms get (b, h, l, d) views of (b, l, h, d) data.
+    let x = rand(&[2, 5, 3, 16], 4).transpose(1, 2).unwrap();
+    let w = rand(&[16], 5);
+    let r = both(&[x, w], |t| {
+        fused::rms_norm(&t[0].transpose(1, 2).unwrap(), &t[1], 1e-6).unwrap()
+    });
+    compare("rms_norm transposed", &r, 1e-4);
+}
+
+#[test]
+fn rope_both_layouts_match_slow() {
+    let (l, d) = (12, 16);
+    let pos = Tensor::arange(0u32, l as u32, &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .reshape((l, 1))
+        .unwrap();
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, d / 2), &Device::Cpu).unwrap();
+    let freqs = pos.matmul(&inv).unwrap();
+    let (cos, sin) = (freqs.cos().unwrap(), freqs.sin().unwrap());
+    for interleaved in [false, true] {
+        for (b, h, seed) in [(1, 1, 6), (3, 4, 7), (8, 8, 8)] {
+            let x = rand(&[b, h, l, d], seed);
+            let r = both(&[x], |t| {
+                fused::rope(&t[0], &cos, &sin, interleaved).unwrap()
+            });
+            compare(
+                &format!("rope interleaved={interleaved} b{b} h{h}"),
+                &r,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn softmax_with_and_without_causal_mask_matches_slow() {
+    let (rows, l) = (24, 20);
+    let mut mask = vec![0f32; rows * l];
+    for i in 0..rows {
+        for j in 0..l {
+            if j > i % l {
+                mask[i * l + j] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let mask = Tensor::from_vec(mask, (rows, l), &Device::Cpu).unwrap();
+    for (masked, shape) in [
+        (false, [2, 3, rows, l]),
+        (true, [2, 3, rows, l]),
+        (true, [40, 4, rows, l]),
+    ] {
+        let x = rand(&shape, 9);
+        let r = both(&[x], |t| {
+            let a = if masked {
+                t[0].broadcast_add(&mask).unwrap()
+            } else {
+                t[0].clone()
+            };
+            fused::softmax_last_dim(&a).unwrap()
+        });
+        compare(&format!("softmax masked={masked} {shape:?}"), &r, 1e-5);
+    }
+}
+
+#[test]
+fn silu_mul_forward_and_grads_match_silu_times_up() {
+    for (shape, seed) in [([3, 5, 7], 12), ([8, 64, 768], 13)] {
+        let g = rand(&shape, seed);
+        let u = rand(&shape, seed + 1);
+        let r = both(&[g, u], |t| fused::silu_mul(&t[0], &t[1]).unwrap());
+        compare(&format!("silu_mul {shape:?}"), &r, 1e-5);
+    }
+}
+
+#[test]
+fn token_logprobs_and_entropy_match_log_softmax_and_gather() {
+    for (b, t, v, seed) in [(2, 5, 11, 10), (8, 63, 512, 11)] {
+        let logits = (rand(&[b, t, v], seed) * 3.0).unwrap();
+        let tg: Vec<u32> = (0..b * t).map(|i| ((i * 7919) % v) as u32).collect();
+        let tg = Tensor::from_vec(tg, (b, t), &Device::Cpu).unwrap();
+        let r = both(std::slice::from_ref(&logits), |x| {
+            fused::token_logprobs(&x[0], &tg).unwrap()
+        });
+        compare(&format!("token_logprobs {b}x{t}x{v}"), &r, 1e-5);
+        // Log-probs and entropy together, each weighted by its own cotangent.
+        let r = both(&[logits], |x| {
+            let (lp, ent) = fused::token_logprobs_entropy(&x[0], &tg, true).unwrap();
+            Tensor::stack(&[lp, ent.unwrap()], 0).unwrap()
+        });
+        compare(&format!("token_logprobs+entropy {b}x{t}x{v}"), &r, 1e-5);
+    }
+}
+
+fn batch(vocab: u32) -> Vec<Example> {
+    (0..4u32)
+        .map(|k| {
+            let n = 17 + k as usize * 3; // ragged: right padding, masked
+            let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31 + k * 17) % vocab).collect();
+            let mask = (0..n).map(|i| if i % 3 == 0 { 0.0 } else { 1.0 }).collect();
+            Example { ids, mask }
+        })
+        .collect()
+}
+
+/// Loss and every weight's gradient of a GQA decoder, fused vs slow.
+fn decoder_grads_match(family: Family, interleaved: bool) {
+    let mut cfg = tiny_config(family);
+    cfg.rope_interleaved = interleaved;
+    assert!(cfg.num_attention_heads > cfg.num_key_value_heads, "GQA");
+    let model = TrainableModel::init(&cfg, 5, &Device::Cpu).unwrap();
+    let ex = batch(cfg.vocab_size as u32);
+    let refs: Vec<&Example> = ex.iter().collect();
+    let run = |k| {
+        with_kernels(k, || {
+            let (loss, _) = masked_nll(&model.decoder, &refs).unwrap();
+            let g = loss.backward().unwrap();
+            (loss.to_scalar::<f32>().unwrap(), g)
+        })
+    };
+    let (lf, gf) = run(Kernels::Fused);
+    let (ls, gs) = run(Kernels::Slow);
+    assert!(
+        (lf - ls).abs() < 1e-5 * ls.abs().max(1.0),
+        "loss {lf} vs {ls}"
+    );
+    let vars = model.named_vars();
+    assert!(!vars.is_empty());
+    for (name, v) in vars {
+        let a = gf
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("fused: no grad for {name}"));
+        let b = gs
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("slow: no grad for {name}"));
+        let nz = a
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(nz > 0.0, "{name}: zero gradient");
+        assert_close(&format!("{family:?} {name}"), a, b, 1e-4);
+    }
+}
+
+#[test]
+fn qwen2_decoder_gradients_fused_equal_slow() {
+    decoder_grads_match(Family::Qwen2, false);
+}
+
+#[test]
+fn llama_decoder_with_interleaved_rope_gradients_fused_equal_slow() {
+    decoder_grads_match(Family::Llama, true);
+}
+
+#[test]
+fn qwen3_decoder_with_qk_norm_gradients_fused_equal_slow() {
+    decoder_grads_match(Family::Qwen3, false);
+}
+
+#[test]
+fn adamw_steps_fused_equal_slow_and_moments_survive_a_switch() {
+    let cfg = tiny_config(Family::Qwen2);
+    let ex = batch(cfg.vocab_size as u32);
+    let refs: Vec<&Example> = ex.iter().collect();
+    // Three steps each; the mixed run switches kernels between steps (moments convert).
+    let schedules: [[Kernels; 3]; 3] = [
+        [Kernels::Fused; 3],
+        [Kernels::Slow; 3],
+        [Kernels::Fused, Kernels::Slow, Kernels::Fused],
+    ];
+    let mut results = Vec::new();
+    for sched in schedules {
+        let model = TrainableModel::init(&cfg, 9, &Device::Cpu).unwrap();
+        let mut opt = with_kernels(sched[0], || {
+            AdamW::new(model.named_vars(), AdamWConfig::default()).unwrap()
+        });
+        let mut norms = Vec::new();
+        for k in sched {
+            with_kernels(k, || {
+                let (loss, _) = masked_nll(&model.decoder, &refs).unwrap();
+                let g = loss.backward().unwrap();
+                norms.push(opt.grad_norm(&g).unwrap());
+                opt.step(&g, 1e-2, 0.5).unwrap();
+            });
+        }
+        results.push((model.weights(), opt.state_tensors(), norms));
+    }
+    let (wf, sf, nf) = &results[0];
+    for (w, s, n) in &results[1..] {
+        for (a, b) in nf.iter().zip(n) {
+            assert!((a - b).abs() < 1e-4 * b.max(1.0), "grad norm {a} vs {b}");
+        }
+        for (name, t) in wf {
+            assert_close(name, t, &w[name], 1e-4);
+        }
+        assert_eq!(sf.len(), s.len());
+        for (name, t) in sf {
+            assert_close(name, t, &s[name], 1e-3);
+        }
+    }
+}
