@@ -932,7 +932,13 @@ mod tests {
             copy_per_task: 3.0,
             ..c.clone()
         };
-        let t3 = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c3).unwrap();
+        let t3 = corpus(
+            &[Domain::Bank],
+            Split::Train,
+            &PromptProfile::compact(),
+            &c3,
+        )
+        .unwrap();
         let n3 = t3.iter().filter(|t| t.text().contains(COPY_SYSTEM)).count();
         assert_eq!(n3, 90, "three whole drills per task");
         for d in drills {
