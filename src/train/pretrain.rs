@@ -319,7 +319,10 @@ pub fn corpus(
             }
             // Whole drills, then one more with the fractional part's probability.
             let whole = cfg.copy_per_task.max(0.0).floor();
-            let extra = usize::from(rng.random::<f64>() < cfg.copy_per_task - whole);
+            // One draw whenever drills are on, as before whole drills existed, so that a corpus
+            // of `--copy-per-task` ≤ 1 is the one the model card's commands produced.
+            let frac = cfg.copy_per_task - whole;
+            let extra = usize::from(cfg.copy_per_task > 0.0 && rng.random::<f64>() < frac);
             for _ in 0..whole as usize + extra {
                 out.push(copy_drill(&t, split, rng.random::<u64>())?);
             }
