@@ -336,6 +336,12 @@ impl Attention {
         let q = rope.apply(&q, offset, pass)?;
         let k = rope.apply(&k, offset, pass)?;
         let (k, v) = cache.append(layer, &k, &v.contiguous()?, pass == Pass::Infer)?;
+        if pass == Pass::Infer && super::infer::supports(&q) {
+            // Decode step: one-pass attention over the cache (same scores, mask and result).
+            let scale = (1.0 / (hd as f64).sqrt()) as f32;
+            let out = super::infer::attend_one(&q, &k, &v, cache.pad(b), scale)?;
+            return self.o_proj.forward(&out);
+        }
         let s = k.dim(2)?;
         let groups = nh / nkv;
         // GQA without copying k/v: fold the query groups into the row dimension.

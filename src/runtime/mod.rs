@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod device;
 pub mod fixture;
 pub mod generate;
+pub mod infer;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
