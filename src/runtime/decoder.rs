@@ -116,6 +116,10 @@ impl Linear {
         let rows: usize = dims[..last].iter().product();
         let x2 = x.reshape((rows, dims[last]))?;
         let mut y = match &self.weight {
+            // Decode-size inference: a few rows against the weight (see `infer`).
+            Weight::Dense(w) if super::infer::few_rows_applies(&x2, w) => {
+                super::infer::few_rows_matmul(&x2, w)?
+            }
             Weight::Dense(w) => x2.matmul(&w.t()?)?,
             Weight::Quant { q, dense } => match dense {
                 Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,

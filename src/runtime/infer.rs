@@ -13,6 +13,7 @@
 //! loop whatever the batch, so a batched row equals the same row decoded alone bit for bit.
 //! Only inference uses it (no autograd through it).
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::{DType, Layout, Storage, Tensor};
@@ -90,7 +91,8 @@ pub(crate) fn supports(q: &Tensor) -> bool {
 /// `q`: (b, nh, 1, hd) after RoPE; `k`, `v`: cache views (b, nkv, s, hd) holding every
 /// position up to and including the new one (so no causal mask is needed); `pad[r]`: left
 /// padding of row r (empty = none). Returns (b, 1, nh·hd), heads in order, as the tensor path's
-/// `transpose(1, 2).reshape(..)` lays them out.
+/// `transpose(1, 2).reshape(..)` lays them out. Work items are (row, kv head) pairs, split over
+/// candle's thread pool; the query heads of one GQA group share each key/value read.
 pub(crate) fn attend_one(
     q: &Tensor,
     k: &Tensor,
@@ -116,42 +118,138 @@ pub(crate) fn attend_one(
         let (vs, vl) = v.storage_and_layout();
         let (kd, kst, koff) = view_f32(&ks, kl)?;
         let (vd, vst, voff) = view_f32(&vs, vl)?;
-        let mut scores = vec![0f32; s];
-        for r in 0..b {
+        // Item (r, kh) owns the output of query heads kh·groups .. (kh+1)·groups of row r: one
+        // contiguous chunk, in item order.
+        let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(groups * hd).map(Mutex::new).collect();
+        let item = |i: usize| {
+            let (r, kh) = (i / nkv, i % nkv);
             let p = pad.get(r).copied().unwrap_or(0);
-            for h in 0..nh {
-                let kh = h / groups;
-                let qh = &qv[(r * nh + h) * hd..(r * nh + h + 1) * hd];
-                let kbase = koff + r * kst[0] + kh * kst[1];
-                let vbase = voff + r * vst[0] + kh * vst[1];
-                let mut max = f32::NEG_INFINITY;
-                for (j, sc) in scores.iter_mut().enumerate() {
-                    let at = kbase + j * kst[2];
-                    let mut x = dot(qh, &kd[at..at + hd]) * scale;
+            let kbase = koff + r * kst[0] + kh * kst[1];
+            let vbase = voff + r * vst[0] + kh * vst[1];
+            let qg = &qv[(r * nh + kh * groups) * hd..(r * nh + (kh + 1) * groups) * hd];
+            // scores[g * s + j]
+            let mut scores = vec![0f32; groups * s];
+            for j in 0..s {
+                let at = kbase + j * kst[2];
+                let kr = &kd[at..at + hd];
+                for (g, qh) in qg.chunks_exact(hd).enumerate() {
+                    let mut x = dot(qh, kr) * scale;
                     if j < p {
                         x += PAD_SCORE;
                     }
-                    *sc = x;
-                    max = max.max(x);
+                    scores[g * s + j] = x;
                 }
+            }
+            for sg in scores.chunks_exact_mut(s) {
+                let max = sg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
-                for sc in scores.iter_mut() {
+                for sc in sg.iter_mut() {
                     *sc = (*sc - max).exp();
                     sum += *sc;
                 }
                 let inv = 1.0 / sum;
-                let o = &mut out[(r * nh + h) * hd..(r * nh + h + 1) * hd];
-                for (j, &w) in scores.iter().enumerate() {
-                    let w = w * inv;
-                    let at = vbase + j * vst[2];
-                    for (oi, &vi) in o.iter_mut().zip(&vd[at..at + hd]) {
+                for sc in sg.iter_mut() {
+                    *sc *= inv;
+                }
+            }
+            let mut acc = vec![0f32; groups * hd];
+            for j in 0..s {
+                let at = vbase + j * vst[2];
+                let vr = &vd[at..at + hd];
+                for (g, o) in acc.chunks_exact_mut(hd).enumerate() {
+                    let w = scores[g * s + j];
+                    for (oi, &vi) in o.iter_mut().zip(vr) {
                         *oi += w * vi;
                     }
                 }
             }
+            if let Ok(mut dst) = chunks[i].lock() {
+                dst.copy_from_slice(&acc);
+            }
+        };
+        let n_items = b * nkv;
+        if n_items * s * hd * groups < PARALLEL_MIN_WORK {
+            (0..n_items).for_each(item);
+        } else {
+            candle_core::utils::barrier_pool()
+                .execute_chunked(n_items, |range| range.for_each(item));
         }
     }
     Tensor::from_vec(out, (b, 1, nh * hd), q.device())
+}
+
+/// Multiply-adds below which a step runs on the calling thread (the pool's wake-up and barrier
+/// cost more than they save).
+const PARALLEL_MIN_WORK: usize = 1 << 15;
+
+/// Rows up to which [`few_rows_matmul`] serves a dense projection.
+pub(crate) const FEW_ROWS: usize = 8;
+
+/// Whether `x · wᵀ` can take [`few_rows_matmul`]: inference (neither side tracked by autograd),
+/// f32 on the CPU, at most [`FEW_ROWS`] rows, `w` contiguous.
+pub(crate) fn few_rows_applies(x2: &Tensor, w: &Tensor) -> bool {
+    is_enabled()
+        && !x2.track_op()
+        && !w.track_op()
+        && x2.device().is_cpu()
+        && x2.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && w.is_contiguous()
+        && x2.dim(0).is_ok_and(|r| r <= FEW_ROWS)
+}
+
+/// `x · wᵀ` for a few rows of `x` (rows, in) against a dense `w` (out, in): each weight row is
+/// read once and dotted with every input row (gemm packs the whole weight on every call, which
+/// dominates at decode sizes). Output features are split over candle's pool in blocks. Each
+/// output element is one [`dot`], whatever the number of rows: batched rows equal single rows.
+pub(crate) fn few_rows_matmul(x2: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (rows, inp) = x2.dims2()?;
+    let (outf, win) = w.dims2()?;
+    if inp != win || rows > FEW_ROWS {
+        candle_core::bail!("few-rows matmul: x {:?} vs w {:?}", x2.dims(), w.dims());
+    }
+    let xv = x2.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    // Transposed result (out, rows): each block of output features is one contiguous chunk.
+    let mut yt = vec![0f32; outf * rows];
+    {
+        let (ws, wl) = w.storage_and_layout();
+        let wd = match &*ws {
+            Storage::Cpu(s) => s.as_slice::<f32>()?,
+            _ => candle_core::bail!("few-rows matmul runs on the CPU only"),
+        };
+        let wd = &wd[wl.start_offset()..wl.start_offset() + outf * inp];
+        const BLOCK: usize = 16;
+        let chunks: Vec<Mutex<&mut [f32]>> = yt.chunks_mut(BLOCK * rows).map(Mutex::new).collect();
+        let item = |i: usize| {
+            let o0 = i * BLOCK;
+            let o1 = (o0 + BLOCK).min(outf);
+            let mut acc = [0f32; BLOCK * FEW_ROWS];
+            for o in o0..o1 {
+                let wr = &wd[o * inp..(o + 1) * inp];
+                for (r, xr) in xv.chunks_exact(inp).enumerate() {
+                    acc[(o - o0) * rows + r] = dot(wr, xr);
+                }
+            }
+            if let Ok(mut dst) = chunks[i].lock() {
+                let n = dst.len();
+                dst.copy_from_slice(&acc[..n]);
+            }
+        };
+        let n_items = outf.div_ceil(BLOCK);
+        if outf * inp * rows < PARALLEL_MIN_WORK {
+            (0..n_items).for_each(item);
+        } else {
+            candle_core::utils::barrier_pool()
+                .execute_chunked(n_items, |range| range.for_each(item));
+        }
+    }
+    let mut y = vec![0f32; rows * outf];
+    for (o, col) in yt.chunks_exact(rows).enumerate() {
+        for (r, &val) in col.iter().enumerate() {
+            y[r * outf + o] = val;
+        }
+    }
+    Tensor::from_vec(y, (rows, outf), x2.device())
 }
 
 #[cfg(test)]
@@ -206,6 +304,31 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert!(diff < 1e-5, "max abs diff {diff}");
+    }
+
+    #[test]
+    fn few_rows_matmul_matches_gemm_and_rows_are_independent() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (300, 96), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (8, 96), &dev).unwrap();
+        let fast = few_rows_matmul(&x, &w).unwrap();
+        let gemm = x.matmul(&w.t().unwrap()).unwrap();
+        let diff = (&fast - gemm)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-4, "max abs diff {diff}");
+        let one = few_rows_matmul(&x.narrow(0, 3, 1).unwrap(), &w).unwrap();
+        assert_eq!(
+            fast.narrow(0, 3, 1).unwrap().to_vec2::<f32>().unwrap(),
+            one.to_vec2::<f32>().unwrap()
+        );
     }
 
     #[test]
