@@ -68,7 +68,7 @@ pub enum Weight {
 
 /// Rows above which a quantized projection uses its dense copy: candle's quantized matmul
 /// re-reads the weights for every row, gemm reads them once.
-const PREFILL_DENSE_ROWS: usize = 3;
+const PREFILL_DENSE_ROWS: usize = super::infer::FEW_ROWS;
 
 /// `y = x Wᵀ + b` (+ LoRA).
 #[derive(Debug, Clone)]

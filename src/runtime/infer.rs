@@ -183,7 +183,7 @@ pub(crate) fn attend_one(
 const PARALLEL_MIN_WORK: usize = 1 << 15;
 
 /// Rows up to which [`few_rows_matmul`] serves a dense projection.
-pub(crate) const FEW_ROWS: usize = 8;
+pub const FEW_ROWS: usize = 8;
 
 /// Whether `x · wᵀ` can take [`few_rows_matmul`]: inference (neither side tracked by autograd),
 /// f32 on the CPU, at most [`FEW_ROWS`] rows, `w` contiguous.
