@@ -116,8 +116,12 @@ impl Linear {
         let rows: usize = dims[..last].iter().product();
         let x2 = x.reshape((rows, dims[last]))?;
         let mut y = match &self.weight {
-            // Decode-size inference: a few rows against the weight (see `infer`).
-            Weight::Dense(w) if super::infer::few_rows_applies(&x2, w) => {
+            // Decode steps (one position per row, a few rows) in inference: each weight row
+            // read once (see `infer`). Prefill keeps gemm, so that a short prompt gives the same
+            // logits in a model with and without (zero) adapters.
+            Weight::Dense(w)
+                if dims.len() == 3 && dims[1] == 1 && super::infer::few_rows_applies(&x2, w) =>
+            {
                 super::infer::few_rows_matmul(&x2, w)?
             }
             Weight::Dense(w) => x2.matmul(&w.t()?)?,
