@@ -69,7 +69,7 @@ pub enum Weight {
 
 /// Rows above which a quantized projection uses its dense copy: candle's quantized matmul
 /// re-reads the weights for every row, gemm reads them once.
-const PREFILL_DENSE_ROWS: usize = 3;
+const PREFILL_DENSE_ROWS: usize = super::infer::FEW_ROWS;
 
 /// `y = x Wᵀ + b` (+ LoRA).
 #[derive(Debug, Clone)]
@@ -117,6 +117,14 @@ impl Linear {
         let rows: usize = dims[..last].iter().product();
         let x2 = x.reshape((rows, dims[last]))?;
         let mut y = match &self.weight {
+            // Decode steps (one position per row, a few rows) in inference: each weight row
+            // read once (see `infer`). Prefill keeps gemm, so that a short prompt gives the same
+            // logits in a model with and without (zero) adapters.
+            Weight::Dense(w)
+                if dims.len() == 3 && dims[1] == 1 && super::infer::few_rows_applies(&x2, w) =>
+            {
+                super::infer::few_rows_matmul(&x2, w)?
+            }
             Weight::Dense(w) => x2.matmul(&w.t()?)?,
             Weight::Quant { q, dense } => match dense {
                 Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
@@ -343,6 +351,12 @@ impl Attention {
         let q = rope.apply(&q, offset, pass)?;
         let k = rope.apply(&k, offset, pass)?;
         let (k, v) = cache.append(layer, &k, &v.contiguous()?, pass == Pass::Infer)?;
+        if pass == Pass::Infer && super::infer::supports(&q) {
+            // Decode step: one-pass attention over the cache (same scores, mask and result).
+            let scale = (1.0 / (hd as f64).sqrt()) as f32;
+            let out = super::infer::attend_one(&q, &k, &v, cache.pad(b), scale)?;
+            return self.o_proj.forward(&out);
+        }
         let s = k.dim(2)?;
         let groups = nh / nkv;
         // GQA without copying k/v: fold the query groups into the row dimension.

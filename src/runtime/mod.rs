@@ -12,6 +12,7 @@ pub mod device;
 pub mod fixture;
 pub mod fused;
 pub mod generate;
+pub mod infer;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
