@@ -142,13 +142,11 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     assert!(s.contains("irreversible"), "{s}");
     assert!(s.contains("Private Rehearsal:"), "{s}");
     assert!(s.contains("card_pay"), "{s}");
-    // The branch pane follows its tail, so a long rehearsal may show its branches or only its
-    // memory lines by the time the dialog opens; either way it is not the empty placeholder.
+    // The branch pane keeps the latest rehearsal's header (its verdict) in view, however long
+    // the rehearsal: the dialog asks about it.
     assert!(
-        ["rehearsal 1", "branch 1", "memory:", "stopped ("]
-            .iter()
-            .any(|m| s.contains(m)),
-        "the branch pane shows the rehearsal:\n{s}"
+        s.contains("· parallel · n=2"),
+        "the branch pane shows the rehearsal's header:\n{s}"
     );
     t.send(&["a"]);
     std::thread::sleep(Duration::from_millis(800));

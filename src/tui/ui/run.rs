@@ -158,6 +158,7 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         lines,
         r.scroll[0],
         r.focus == Pane::Actor,
+        None,
     );
 
     // Simulated pane.
@@ -193,13 +194,16 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         lines,
         r.scroll[1],
         r.focus == Pane::Simulated,
+        None,
     );
 
     // Branches pane.
     let mut lines: Vec<Line> = Vec::new();
     let skip = r.view.rehearsals.len().saturating_sub(PANE_ITEMS / 10);
+    let mut last_header = None;
     for (k, reh) in r.view.rehearsals.iter().enumerate().skip(skip) {
         let (ok, bad) = reh.verdict();
+        last_header = Some(lines.len());
         lines.push(Line::from(vec![
             Span::styled(
                 format!(
@@ -268,6 +272,7 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         lines,
         r.scroll[2],
         r.focus == Pane::Branches,
+        last_header,
     );
 
     draw_diff(app, f, l.diff);
@@ -281,18 +286,27 @@ fn pane(
     lines: Vec<Line<'static>>,
     scroll: u16,
     focused: bool,
+    anchor: Option<usize>,
 ) {
     let t = app.theme();
-    // Follow the tail unless the user scrolled: clamp the scroll to the content.
+    // Follow the tail unless the user scrolled: clamp the scroll to the content. A pane with an
+    // anchor line (the latest rehearsal's header) follows the tail only until that line would
+    // scroll out, so its verdict stays in view while the approval dialog asks about it.
     let inner_h = area.height.saturating_sub(2);
     let inner_w = area.width.saturating_sub(2).max(1);
-    let rows: u16 = lines
+    let heights: Vec<u16> = lines
         .iter()
         .map(|l| (l.width() as u16).div_ceil(inner_w).max(1))
-        .fold(0u16, u16::saturating_add);
+        .collect();
+    let rows: u16 = heights.iter().fold(0u16, |a, h| a.saturating_add(*h));
     let max = rows.saturating_sub(inner_h);
     let off = if scroll == 0 && !focused {
-        max
+        let anchor_row = anchor.map_or(max, |a| {
+            heights[..a.min(heights.len())]
+                .iter()
+                .fold(0u16, |acc, h| acc.saturating_add(*h))
+        });
+        max.min(anchor_row)
     } else {
         scroll.min(max)
     };
