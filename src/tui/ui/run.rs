@@ -156,9 +156,11 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         l.actor,
         "Actor · proposed calls",
         lines,
-        r.scroll[0],
-        r.focus == Pane::Actor,
-        None,
+        PaneScroll {
+            scroll: r.scroll[0],
+            focused: r.focus == Pane::Actor,
+            anchor: None,
+        },
     );
 
     // Simulated pane.
@@ -192,9 +194,11 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         l.simulated,
         "Simulator · predicted responses",
         lines,
-        r.scroll[1],
-        r.focus == Pane::Simulated,
-        None,
+        PaneScroll {
+            scroll: r.scroll[1],
+            focused: r.focus == Pane::Simulated,
+            anchor: None,
+        },
     );
 
     // Branches pane.
@@ -270,12 +274,22 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         l.branches,
         "Rehearsal branches",
         lines,
-        r.scroll[2],
-        r.focus == Pane::Branches,
-        last_header,
+        PaneScroll {
+            scroll: r.scroll[2],
+            focused: r.focus == Pane::Branches,
+            anchor: last_header,
+        },
     );
 
     draw_diff(app, f, l.diff);
+}
+
+/// Where a pane's content is scrolled: the user's offset (0 = follow), whether it has focus,
+/// and an optional line to keep in view while following.
+struct PaneScroll {
+    scroll: u16,
+    focused: bool,
+    anchor: Option<usize>,
 }
 
 fn pane(
@@ -284,10 +298,13 @@ fn pane(
     area: Rect,
     title: &str,
     lines: Vec<Line<'static>>,
-    scroll: u16,
-    focused: bool,
-    anchor: Option<usize>,
+    at: PaneScroll,
 ) {
+    let PaneScroll {
+        scroll,
+        focused,
+        anchor,
+    } = at;
     let t = app.theme();
     // Follow the tail unless the user scrolled: clamp the scroll to the content. A pane with an
     // anchor line (the latest rehearsal's header) follows the tail only until that line would
