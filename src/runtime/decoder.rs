@@ -117,11 +117,14 @@ impl Linear {
         let rows: usize = dims[..last].iter().product();
         let x2 = x.reshape((rows, dims[last]))?;
         let mut y = match &self.weight {
-            // Decode steps (one position per row, a few rows) in inference: each weight row
-            // read once (see `infer`). Prefill keeps gemm, so that a short prompt gives the same
-            // logits in a model with and without (zero) adapters.
+            // Decode steps (one position per row, a few rows) and the last position's logits
+            // (b, hidden) in inference: each weight row read once (see `infer`), and a row's
+            // result is the same whatever the batch (gemm's kernels differ with the row count).
+            // Prefill keeps gemm, so that a short prompt gives the same logits in a model with
+            // and without (zero) adapters.
             Weight::Dense(w)
-                if dims.len() == 3 && dims[1] == 1 && super::infer::few_rows_applies(&x2, w) =>
+                if (dims.len() == 2 || dims.len() == 3 && dims[1] == 1)
+                    && super::infer::few_rows_applies(&x2, w) =>
             {
                 super::infer::few_rows_matmul(&x2, w)?
             }
@@ -350,13 +353,16 @@ impl Attention {
         };
         let q = rope.apply(&q, offset, pass)?;
         let k = rope.apply(&k, offset, pass)?;
-        let (k, v) = cache.append(layer, &k, &v.contiguous()?, pass == Pass::Infer)?;
         if pass == Pass::Infer && super::infer::supports(&q) {
-            // Decode step: one-pass attention over the cache (same scores, mask and result).
+            // Decode step: one-pass attention over the cache (same scores, mask and result),
+            // reading a shared prefix once for all rows.
+            let kv = cache.append_decode(layer, &k, &v.contiguous()?)?;
             let scale = (1.0 / (hd as f64).sqrt()) as f32;
-            let out = super::infer::attend_one(&q, &k, &v, cache.pad(b), scale)?;
+            let prefix = kv.prefix.as_ref().map(|(k, v)| (k, v));
+            let out = super::infer::attend_one(&q, prefix, &kv.k, &kv.v, cache.pad(b), scale)?;
             return self.o_proj.forward(&out);
         }
+        let (k, v) = cache.append(layer, &k, &v.contiguous()?, pass == Pass::Infer)?;
         let s = k.dim(2)?;
         let groups = nh / nkv;
         // GQA without copying k/v: fold the query groups into the row dimension.

@@ -13,10 +13,14 @@
 //! loop whatever the batch, so a batched row equals the same row decoded alone bit for bit.
 //! Only inference uses it (no autograd through it).
 
+// The kernels index several arrays by the same counters on purpose (register blocks).
+#![allow(clippy::needless_range_loop)]
+
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::{DType, Layout, Storage, Tensor};
+use wide::f32x8;
 
 type Result<T> = candle_core::Result<T>;
 
@@ -37,23 +41,115 @@ fn view_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<(&'a [f32], [us
     Ok((data, [st[0], st[1], st[2]], layout.start_offset()))
 }
 
-/// Dot product with eight independent accumulators (vectorises; fixed summation order).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+/// `a·b + c`, one rounding where the CPU has FMA (the build targets the host CPU), two where
+/// it does not. Every kernel here accumulates through this, so results do not depend on how
+/// many rows or heads a call carries.
+#[inline(always)]
+fn fmadd(a: f32, b: f32, c: f32) -> f32 {
+    #[cfg(target_feature = "fma")]
+    {
+        a.mul_add(b, c)
+    }
+    #[cfg(not(target_feature = "fma"))]
+    {
+        a * b + c
+    }
+}
+
+/// Lane width of the accumulators (one AVX register of f32).
+const LANES: usize = 8;
+
+/// The fixed summation order of every dot product here: `LANES` running sums over chunks,
+/// folded pairwise, plus the tail summed in order.
+#[inline(always)]
+fn fold(acc: &[f32; LANES], tail: f32) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `O` weight rows against `R` input rows: `out[o][r] = w[o]·x[r]`, each exactly as a lone
+/// dot product in [`fold`]'s order, with `O·R` independent accumulators so that the FMA
+/// chains overlap (one dot alone waits on its own latency) and each loaded chunk is reused.
+#[inline(always)]
+fn dot_block<const O: usize, const R: usize>(w: &[f32], x: &[f32], inp: usize) -> [[f32; R]; O] {
+    let n = inp / LANES;
+    let wc: [&[[f32; LANES]]; O] = std::array::from_fn(|o| {
+        let (c, _) = w[o * inp..(o + 1) * inp].as_chunks::<LANES>();
+        &c[..n]
+    });
+    let xc: [&[[f32; LANES]]; R] = std::array::from_fn(|r| {
+        let (c, _) = x[r * inp..(r + 1) * inp].as_chunks::<LANES>();
+        &c[..n]
+    });
+    let mut acc = [[f32x8::ZERO; R]; O];
+    for c in 0..n {
+        let xs: [f32x8; R] = std::array::from_fn(|r| f32x8::from(xc[r][c]));
+        for o in 0..O {
+            let wv = f32x8::from(wc[o][c]);
+            for r in 0..R {
+                acc[o][r] = wv.mul_add(xs[r], acc[o][r]);
+            }
         }
     }
-    let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
+    let mut out = [[0f32; R]; O];
+    for o in 0..O {
+        for r in 0..R {
+            let mut tail = 0f32;
+            for i in n * LANES..inp {
+                tail = fmadd(w[o * inp + i], x[r * inp + i], tail);
+            }
+            out[o][r] = fold(&acc[o][r].to_array(), tail);
+        }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    out
+}
+
+/// Output features `o0..o1` of `x · wᵀ` for `R` input rows into `dst` ((o1 − o0) × R, feature
+/// major), `O` features at a time.
+#[inline(always)]
+fn dots_into<const O: usize, const R: usize>(
+    wd: &[f32],
+    xv: &[f32],
+    inp: usize,
+    o0: usize,
+    o1: usize,
+    dst: &mut [f32],
+) {
+    let mut o = o0;
+    while o + O <= o1 {
+        let blk = dot_block::<O, R>(&wd[o * inp..(o + O) * inp], xv, inp);
+        for (k, row) in blk.iter().enumerate() {
+            dst[(o - o0 + k) * R..(o - o0 + k + 1) * R].copy_from_slice(row);
+        }
+        o += O;
+    }
+    while o < o1 {
+        let blk = dot_block::<1, R>(&wd[o * inp..(o + 1) * inp], xv, inp);
+        dst[(o - o0) * R..(o - o0 + 1) * R].copy_from_slice(&blk[0]);
+        o += 1;
+    }
+}
+
+/// [`dots_into`] for a run-time row count (1..=[`FEW_ROWS`]); the block shapes keep 8–16
+/// accumulators live.
+fn dots_rows(
+    wd: &[f32],
+    xv: &[f32],
+    rows: usize,
+    inp: usize,
+    o0: usize,
+    o1: usize,
+    dst: &mut [f32],
+) {
+    match rows {
+        1 => dots_into::<8, 1>(wd, xv, inp, o0, o1, dst),
+        2 => dots_into::<4, 2>(wd, xv, inp, o0, o1, dst),
+        3 => dots_into::<4, 3>(wd, xv, inp, o0, o1, dst),
+        4 => dots_into::<4, 4>(wd, xv, inp, o0, o1, dst),
+        5 => dots_into::<2, 5>(wd, xv, inp, o0, o1, dst),
+        6 => dots_into::<2, 6>(wd, xv, inp, o0, o1, dst),
+        7 => dots_into::<2, 7>(wd, xv, inp, o0, o1, dst),
+        _ => dots_into::<2, 8>(wd, xv, inp, o0, o1, dst),
+    }
 }
 
 /// Set (to anything) to turn the fast path off: A/B benchmarks and parity checks against the
@@ -86,15 +182,161 @@ pub(crate) fn supports(q: &Tensor) -> bool {
     is_enabled() && q.device().is_cpu() && q.dtype() == DType::F32 && q.dim(2).is_ok_and(|l| l == 1)
 }
 
+/// A cache view's data with its (batch, head, position) strides and offset.
+struct View<'a> {
+    data: &'a [f32],
+    st: [usize; 3],
+    off: usize,
+}
+
+impl View<'_> {
+    /// Key or value vector of (row, kv head, position).
+    #[inline(always)]
+    fn at(&self, r: usize, h: usize, j: usize, hd: usize) -> &[f32] {
+        let a = self.off + r * self.st[0] + h * self.st[1] + j * self.st[2];
+        &self.data[a..a + hd]
+    }
+}
+
+/// Rows that share one pass over a shared prefix's keys (their query heads become the lanes).
+const PREFIX_LANES: usize = 16;
+
+/// Scores of one lane group (`LANES` query heads, transposed in `qt`: `qt[d·hp + lane]`)
+/// against `n` keys: `out[j·hp + lane] = (q·k_j) · scale`, each an FMA chain over `d` in
+/// order (so a lane's score does not depend on which other heads share its group). Eight keys
+/// at a time keep eight chains in flight.
+#[allow(clippy::too_many_arguments)]
+fn score_lanes<'k>(
+    qt: &[f32],
+    hp: usize,
+    lg: usize,
+    hd: usize,
+    n: usize,
+    key: impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    const KB: usize = 8;
+    let (qc, _) = qt.as_chunks::<LANES>();
+    let groups = hp / LANES;
+    let ql = |d: usize| f32x8::from(qc[d * groups + lg]);
+    let mut j = 0;
+    while j + KB <= n {
+        let ks: [&[f32]; KB] = std::array::from_fn(|u| &key(j + u)[..hd]);
+        let mut acc = [f32x8::ZERO; KB];
+        for d in 0..hd {
+            let qv = ql(d);
+            for u in 0..KB {
+                acc[u] = qv.mul_add(f32x8::splat(ks[u][d]), acc[u]);
+            }
+        }
+        for (u, a) in acc.iter().enumerate() {
+            let o = (j + u) * hp + lg * LANES;
+            out[o..o + LANES].copy_from_slice(&(*a * f32x8::splat(scale)).to_array());
+        }
+        j += KB;
+    }
+    while j < n {
+        let k = &key(j)[..hd];
+        let mut acc = f32x8::ZERO;
+        for (d, &kd) in k.iter().enumerate() {
+            acc = ql(d).mul_add(f32x8::splat(kd), acc);
+        }
+        let o = j * hp + lg * LANES;
+        out[o..o + LANES].copy_from_slice(&(acc * f32x8::splat(scale)).to_array());
+        j += 1;
+    }
+}
+
+/// For `U` heads at once (`acc`: U × C·LANES): `acc[u] += Σ_j p(j, u) · v_j` over `n` values
+/// of width `C·LANES`, in order of `j` (each lane an FMA chain over the keys; `U·C` chains in
+/// flight).
+#[inline(always)]
+fn weigh_values_c<'v, const C: usize, const U: usize>(
+    acc: &mut [f32],
+    n: usize,
+    p: impl Fn(usize, usize) -> f32,
+    val: impl Fn(usize) -> &'v [f32],
+) {
+    let (ac, _) = acc.as_chunks::<LANES>();
+    let mut a: [[f32x8; C]; U] =
+        std::array::from_fn(|u| std::array::from_fn(|c| f32x8::from(ac[u * C + c])));
+    for j in 0..n {
+        let (vc, _) = val(j).as_chunks::<LANES>();
+        let vs: [f32x8; C] = std::array::from_fn(|c| f32x8::from(vc[c]));
+        for u in 0..U {
+            let w = f32x8::splat(p(j, u));
+            for c in 0..C {
+                a[u][c] = w.mul_add(vs[c], a[u][c]);
+            }
+        }
+    }
+    let (ac, _) = acc.as_chunks_mut::<LANES>();
+    for u in 0..U {
+        for c in 0..C {
+            ac[u * C + c] = a[u][c].to_array();
+        }
+    }
+}
+
+/// [`weigh_values_c`] for heads `h0..h1` (`acc`: their outputs, hd each) of any head width,
+/// two heads at a time (the same per-lane order whatever the pairing).
+fn weigh_values<'v>(
+    acc: &mut [f32],
+    hd: usize,
+    n: usize,
+    p: impl Fn(usize, usize) -> f32 + Copy,
+    val: impl Fn(usize) -> &'v [f32] + Copy,
+) {
+    let heads = acc.len() / hd;
+    let mut h = 0;
+    while h < heads {
+        let u = if h + 2 <= heads { 2 } else { 1 };
+        let a = &mut acc[h * hd..(h + u) * hd];
+        let pp = move |j: usize, k: usize| p(j, h + k);
+        match (hd, u) {
+            (32, 2) => weigh_values_c::<4, 2>(a, n, pp, val),
+            (32, _) => weigh_values_c::<4, 1>(a, n, pp, val),
+            (64, 2) => weigh_values_c::<8, 2>(a, n, pp, val),
+            (64, _) => weigh_values_c::<8, 1>(a, n, pp, val),
+            (128, _) => {
+                for k in 0..u {
+                    let pk = move |j: usize, _: usize| p(j, h + k);
+                    weigh_values_c::<16, 1>(&mut a[k * hd..(k + 1) * hd], n, pk, val);
+                }
+            }
+            _ => {
+                for j in 0..n {
+                    let v = val(j);
+                    for (k, ak) in a.chunks_exact_mut(hd).enumerate() {
+                        let w = p(j, h + k);
+                        for (x, &y) in ak.iter_mut().zip(v) {
+                            *x = fmadd(w, y, *x);
+                        }
+                    }
+                }
+            }
+        }
+        h += u;
+    }
+}
+
 /// Attention for one query position per row.
 ///
-/// `q`: (b, nh, 1, hd) after RoPE; `k`, `v`: cache views (b, nkv, s, hd) holding every
-/// position up to and including the new one (so no causal mask is needed); `pad[r]`: left
-/// padding of row r (empty = none). Returns (b, 1, nh·hd), heads in order, as the tensor path's
-/// `transpose(1, 2).reshape(..)` lays them out. Work items are (row, kv head) pairs, split over
-/// candle's thread pool; the query heads of one GQA group share each key/value read.
+/// `q`: (b, nh, 1, hd) after RoPE; `prefix`: optional keys/values (1, nkv, P, hd) of positions
+/// `0..P` that every row shares (rehearsal branches forked from one prompt); `k`, `v`: each
+/// row's own positions after that, (b, nkv, s, hd), up to and including the new one (so no
+/// causal mask is needed); `pad[r]`: left padding of row r (empty = none). Returns
+/// (b, 1, nh·hd), heads in order, as the tensor path's `transpose(1, 2).reshape(..)` lays them
+/// out.
+///
+/// Work items are (kv head, block of rows): the query heads of a GQA group, and with a shared
+/// prefix those of several rows, are the lanes of one pass over each key, so a shared prefix
+/// is read once per block instead of once per row. Every lane's arithmetic is the same
+/// whatever shares its pass, so a row gives the same bits batched, forked or alone.
 pub(crate) fn attend_one(
     q: &Tensor,
+    prefix: Option<(&Tensor, &Tensor)>,
     k: &Tensor,
     v: &Tensor,
     pad: &[usize],
@@ -102,6 +344,20 @@ pub(crate) fn attend_one(
 ) -> Result<Tensor> {
     let (b, nh, l, hd) = q.dims4()?;
     let (kb, nkv, s, khd) = k.dims4()?;
+    let np = match prefix {
+        Some((pk, pv)) => {
+            let (pb, pnkv, np, phd) = pk.dims4()?;
+            if pb != 1 || pnkv != nkv || phd != hd || pv.dims4()? != (1, nkv, np, hd) {
+                candle_core::bail!(
+                    "decode attention prefix shapes: k {:?}, v {:?}",
+                    pk.dims(),
+                    pv.dims()
+                );
+            }
+            np
+        }
+        None => 0,
+    };
     if l != 1 || kb != b || khd != hd || v.dims4()? != (b, nkv, s, hd) || nh % nkv != 0 {
         candle_core::bail!(
             "decode attention shapes: q {:?}, k {:?}, v {:?}",
@@ -111,68 +367,167 @@ pub(crate) fn attend_one(
         );
     }
     let groups = nh / nkv;
+    let total = np + s;
+    // Rows per item: several share the prefix pass; without one each row is its own item.
+    let rpi = if np > 0 {
+        (PREFIX_LANES / groups).max(1)
+    } else {
+        1
+    };
+    let blocks = b.div_ceil(rpi);
     let qv = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; b * nh * hd];
     {
         let (ks, kl) = k.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();
-        let (kd, kst, koff) = view_f32(&ks, kl)?;
-        let (vd, vst, voff) = view_f32(&vs, vl)?;
-        // Item (r, kh) owns the output of query heads kh·groups .. (kh+1)·groups of row r: one
-        // contiguous chunk, in item order.
-        let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(groups * hd).map(Mutex::new).collect();
+        let kview = view_f32(&ks, kl)?;
+        let vview = view_f32(&vs, vl)?;
+        let own_k = View {
+            data: kview.0,
+            st: kview.1,
+            off: kview.2,
+        };
+        let own_v = View {
+            data: vview.0,
+            st: vview.1,
+            off: vview.2,
+        };
+        let pstor = prefix.map(|(pk, pv)| (pk.storage_and_layout(), pv.storage_and_layout()));
+        let pviews = match &pstor {
+            Some(((pks, pkl), (pvs, pvl))) => {
+                let a = view_f32(pks, pkl)?;
+                let c = view_f32(pvs, pvl)?;
+                Some((
+                    View {
+                        data: a.0,
+                        st: a.1,
+                        off: a.2,
+                    },
+                    View {
+                        data: c.0,
+                        st: c.1,
+                        off: c.2,
+                    },
+                ))
+            }
+            None => None,
+        };
+        let results: Vec<Mutex<Vec<f32>>> =
+            (0..nkv * blocks).map(|_| Mutex::new(Vec::new())).collect();
         let item = |i: usize| {
-            let (r, kh) = (i / nkv, i % nkv);
-            let p = pad.get(r).copied().unwrap_or(0);
-            let kbase = koff + r * kst[0] + kh * kst[1];
-            let vbase = voff + r * vst[0] + kh * vst[1];
-            let qg = &qv[(r * nh + kh * groups) * hd..(r * nh + (kh + 1) * groups) * hd];
-            // scores[g * s + j]
-            let mut scores = vec![0f32; groups * s];
-            for j in 0..s {
-                let at = kbase + j * kst[2];
-                let kr = &kd[at..at + hd];
-                for (g, qh) in qg.chunks_exact(hd).enumerate() {
-                    let mut x = dot(qh, kr) * scale;
-                    if j < p {
-                        x += PAD_SCORE;
-                    }
-                    scores[g * s + j] = x;
+            let (blk, kh) = (i / nkv, i % nkv);
+            let r0 = blk * rpi;
+            let r1 = (r0 + rpi).min(b);
+            let heads = (r1 - r0) * groups;
+            let hp = heads.div_ceil(LANES) * LANES;
+            // Lane h = (row r0 + h / groups, query head kh·groups + h % groups).
+            let mut qt = vec![0f32; hd * hp];
+            for h in 0..heads {
+                let (r, g) = (r0 + h / groups, h % groups);
+                let qh = &qv[(r * nh + kh * groups + g) * hd..][..hd];
+                for (d, &x) in qh.iter().enumerate() {
+                    qt[d * hp + h] = x;
                 }
             }
-            for sg in scores.chunks_exact_mut(s) {
-                let max = sg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for sc in sg.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                let inv = 1.0 / sum;
-                for sc in sg.iter_mut() {
-                    *sc *= inv;
+            let mut sc = vec![0f32; total * hp];
+            if let Some((pk, _)) = &pviews {
+                for lg in 0..hp / LANES {
+                    score_lanes(&qt, hp, lg, hd, np, |j| pk.at(0, kh, j, hd), scale, &mut sc);
                 }
             }
-            let mut acc = vec![0f32; groups * hd];
-            for j in 0..s {
-                let at = vbase + j * vst[2];
-                let vr = &vd[at..at + hd];
-                for (g, o) in acc.chunks_exact_mut(hd).enumerate() {
-                    let w = scores[g * s + j];
-                    for (oi, &vi) in o.iter_mut().zip(vr) {
-                        *oi += w * vi;
-                    }
+            // Each row's own keys: the lane groups holding its heads, kept for its lanes only.
+            let mut tmp = vec![0f32; s * hp];
+            for r in r0..r1 {
+                let (h0, h1) = ((r - r0) * groups, (r - r0 + 1) * groups);
+                for lg in h0 / LANES..h1.div_ceil(LANES) {
+                    score_lanes(
+                        &qt,
+                        hp,
+                        lg,
+                        hd,
+                        s,
+                        |j| own_k.at(r, kh, j, hd),
+                        scale,
+                        &mut tmp,
+                    );
+                }
+                for j in 0..s {
+                    sc[(np + j) * hp + h0..(np + j) * hp + h1]
+                        .copy_from_slice(&tmp[j * hp + h0..j * hp + h1]);
                 }
             }
-            if let Ok(mut dst) = chunks[i].lock() {
-                dst.copy_from_slice(&acc);
+            // Left padding, then softmax per lane over every key.
+            for h in 0..heads {
+                let p = pad.get(r0 + h / groups).copied().unwrap_or(0);
+                for j in 0..p.min(total) {
+                    sc[j * hp + h] += PAD_SCORE;
+                }
+            }
+            // Lanes past `heads` hold zeros and are never read.
+            let ng = hp / LANES;
+            let mut max = vec![f32x8::splat(f32::NEG_INFINITY); ng];
+            for row in sc.as_chunks::<LANES>().0.chunks_exact(ng) {
+                for (m, x) in max.iter_mut().zip(row) {
+                    *m = m.max(f32x8::from(*x));
+                }
+            }
+            let mut sum = vec![f32x8::ZERO; ng];
+            for row in sc.as_chunks_mut::<LANES>().0.chunks_exact_mut(ng) {
+                for ((x, m), t) in row.iter_mut().zip(&max).zip(sum.iter_mut()) {
+                    let e = (f32x8::from(*x) - *m).exp();
+                    *t += e;
+                    *x = e.to_array();
+                }
+            }
+            let inv: Vec<f32x8> = sum.iter().map(|t| f32x8::ONE / *t).collect();
+            for row in sc.as_chunks_mut::<LANES>().0.chunks_exact_mut(ng) {
+                for (x, i) in row.iter_mut().zip(&inv) {
+                    *x = (f32x8::from(*x) * *i).to_array();
+                }
+            }
+            // Weighted values: the prefix's, then the row's own, in key order.
+            let mut acc = vec![0f32; heads * hd];
+            if let Some((_, pv)) = &pviews {
+                let sc = &sc;
+                weigh_values(
+                    &mut acc,
+                    hd,
+                    np,
+                    |j, h| sc[j * hp + h],
+                    |j| pv.at(0, kh, j, hd),
+                );
+            }
+            for (rr, a) in acc.chunks_exact_mut(groups * hd).enumerate() {
+                let (r, h0, sc) = (r0 + rr, rr * groups, &sc);
+                weigh_values(
+                    a,
+                    hd,
+                    s,
+                    |j, h| sc[(np + j) * hp + h0 + h],
+                    |j| own_v.at(r, kh, j, hd),
+                );
+            }
+            if let Ok(mut dst) = results[i].lock() {
+                *dst = acc;
             }
         };
-        let n_items = b * nkv;
-        if n_items * s * hd * groups < PARALLEL_MIN_WORK {
+        let n_items = nkv * blocks;
+        if b * nh * total * hd < PARALLEL_MIN_WORK {
             (0..n_items).for_each(item);
         } else {
             candle_core::utils::barrier_pool()
                 .execute_chunked(n_items, |range| range.for_each(item));
+        }
+        for (i, res) in results.into_iter().enumerate() {
+            let (blk, kh) = (i / nkv, i % nkv);
+            let r0 = blk * rpi;
+            let acc = res.into_inner().map_err(|_| {
+                candle_core::Error::Msg("decode attention: a worker panicked".into())
+            })?;
+            for (h, a) in acc.chunks_exact(hd).enumerate() {
+                let (r, g) = (r0 + h / groups, h % groups);
+                out[(r * nh + kh * groups + g) * hd..][..hd].copy_from_slice(a);
+            }
         }
     }
     Tensor::from_vec(out, (b, 1, nh * hd), q.device())
@@ -224,12 +579,7 @@ pub(crate) fn few_rows_matmul(x2: &Tensor, w: &Tensor) -> Result<Tensor> {
             let o0 = i * BLOCK;
             let o1 = (o0 + BLOCK).min(outf);
             let mut acc = [0f32; BLOCK * FEW_ROWS];
-            for o in o0..o1 {
-                let wr = &wd[o * inp..(o + 1) * inp];
-                for (r, xr) in xv.chunks_exact(inp).enumerate() {
-                    acc[(o - o0) * rows + r] = dot(wr, xr);
-                }
-            }
+            dots_rows(wd, &xv, rows, inp, o0, o1, &mut acc[..(o1 - o0) * rows]);
             if let Ok(mut dst) = chunks[i].lock() {
                 let n = dst.len();
                 dst.copy_from_slice(&acc[..n]);
@@ -291,7 +641,7 @@ mod tests {
         let v = vc.narrow(2, 0, s).unwrap();
         let pad = [0, 5, 28];
         let scale = 1.0 / (hd as f64).sqrt();
-        let fast = attend_one(&q, &k, &v, &pad, scale as f32).unwrap();
+        let fast = attend_one(&q, None, &k, &v, &pad, scale as f32).unwrap();
         let slow = reference(&q, &k, &v, &pad, scale);
         let diff = (fast - slow)
             .unwrap()
@@ -338,9 +688,10 @@ mod tests {
         let q = Tensor::randn(0f32, 1.0, (2, nh, 1, hd), &dev).unwrap();
         let k = Tensor::randn(0f32, 1.0, (2, nkv, s, hd), &dev).unwrap();
         let v = Tensor::randn(0f32, 1.0, (2, nkv, s, hd), &dev).unwrap();
-        let both = attend_one(&q, &k, &v, &[], 0.3).unwrap();
+        let both = attend_one(&q, None, &k, &v, &[], 0.3).unwrap();
         let one = attend_one(
             &q.narrow(0, 1, 1).unwrap(),
+            None,
             &k.narrow(0, 1, 1).unwrap(),
             &v.narrow(0, 1, 1).unwrap(),
             &[],
