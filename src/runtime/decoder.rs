@@ -64,7 +64,34 @@ pub enum Weight {
         /// f32 copy used when many rows are multiplied at once (prefill), where candle's gemm
         /// beats the quantized kernels. Absent when it would not fit the memory budget.
         dense: Option<Tensor>,
+        /// `Some((start, len))` when `q` holds several projections stacked (q/k/v, gate/up:
+        /// one input quantization and one kernel call per step instead of two or three) and
+        /// this one is output features `start..start + len` of it.
+        part: Option<(usize, usize)>,
     },
+}
+
+/// The stacked projection several [`Linear`]s are parts of, if they are exactly that (in
+/// order, no gaps, no adapters).
+fn stacked(parts: &[&Linear]) -> Option<Arc<QMatMul>> {
+    let mut fused: Option<&Arc<QMatMul>> = None;
+    let mut next = 0;
+    for l in parts {
+        let Weight::Quant {
+            q,
+            part: Some((start, len)),
+            ..
+        } = &l.weight
+        else {
+            return None;
+        };
+        if l.lora.is_some() || *start != next || fused.is_some_and(|f| !Arc::ptr_eq(f, q)) {
+            return None;
+        }
+        fused = Some(q);
+        next = start + len;
+    }
+    fused.cloned()
 }
 
 /// Rows above which a quantized projection uses its dense copy: candle's quantized matmul
@@ -92,6 +119,17 @@ impl Linear {
     pub fn dims(&self) -> Result<(usize, usize)> {
         match &self.weight {
             Weight::Dense(w) => w.dims2(),
+            Weight::Quant {
+                part: Some((_, len)),
+                q,
+                ..
+            } => {
+                let (_, inp) = match q.as_ref() {
+                    QMatMul::QTensor(t) => t.shape().dims2()?,
+                    QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2()?,
+                };
+                Ok((*len, inp))
+            }
             Weight::Quant { q, .. } => match q.as_ref() {
                 QMatMul::QTensor(t) => t.shape().dims2(),
                 QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2(),
@@ -111,12 +149,60 @@ impl Linear {
         Ok(())
     }
 
+    /// Bias and adapter on a base product `y` of `x2` (rows, in).
+    fn extras(&self, mut y: Tensor, x2: &Tensor) -> Result<Tensor> {
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(l) = &self.lora {
+            let delta = x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            y = (y + (delta * l.scale)?)?;
+        }
+        Ok(y)
+    }
+
+    /// Several projections of the same input. Stacked quantized parts (see
+    /// [`Weight::Quant`]'s `part`) take one kernel call for all of them when the quantized
+    /// kernel is what would run anyway (a few rows, or no dense copy); otherwise each runs
+    /// alone.
+    pub fn forward_many(parts: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let dims = x.dims().to_vec();
+        let last = dims.len() - 1;
+        let rows: usize = dims[..last].iter().product();
+        let quant_runs = parts.iter().all(|l| match &l.weight {
+            Weight::Quant { dense, .. } => dense.is_none() || rows <= PREFILL_DENSE_ROWS,
+            Weight::Dense(_) => false,
+        });
+        let fused = if quant_runs { stacked(parts) } else { None };
+        let Some(fused) = fused else {
+            return parts.iter().map(|l| l.forward(x)).collect();
+        };
+        let x2 = x.reshape((rows, dims[last]))?;
+        let y = fused.forward(&x2)?;
+        parts
+            .iter()
+            .map(|l| {
+                let Weight::Quant {
+                    part: Some((start, len)),
+                    ..
+                } = &l.weight
+                else {
+                    candle_core::bail!("stacked projection without its part");
+                };
+                let yi = l.extras(y.narrow(1, *start, *len)?, &x2)?;
+                let mut out_dims = dims.clone();
+                out_dims[last] = *len;
+                yi.reshape(out_dims)
+            })
+            .collect()
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let last = dims.len() - 1;
         let rows: usize = dims[..last].iter().product();
         let x2 = x.reshape((rows, dims[last]))?;
-        let mut y = match &self.weight {
+        let y = match &self.weight {
             // Decode steps (one position per row, a few rows) and the last position's logits
             // (b, hidden) in inference: each weight row read once (see `infer`), and a row's
             // result is the same whatever the batch (gemm's kernels differ with the row count).
@@ -129,18 +215,15 @@ impl Linear {
                 super::infer::few_rows_matmul(&x2, w)?
             }
             Weight::Dense(w) => x2.matmul(&w.t()?)?,
-            Weight::Quant { q, dense } => match dense {
+            Weight::Quant { q, dense, part } => match dense {
                 Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
-                _ => q.forward(&x2)?,
+                _ => match part {
+                    Some((start, len)) => q.forward(&x2)?.narrow(1, *start, *len)?,
+                    None => q.forward(&x2)?,
+                },
             },
         };
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
-        if let Some(l) = &self.lora {
-            let delta = x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
-            y = (y + (delta * l.scale)?)?;
-        }
+        let y = self.extras(y, &x2)?;
         let mut out_dims = dims;
         out_dims[last] = y.dim(1)?;
         y.reshape(out_dims)
@@ -232,9 +315,9 @@ pub struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        let u = self.up_proj.forward(x)?;
-        self.down_proj.forward(&(g * u)?)
+        let gu = Linear::forward_many(&[&self.gate_proj, &self.up_proj], x)?;
+        let g = candle_nn::ops::silu(&gu[0])?;
+        self.down_proj.forward(&(g * &gu[1])?)
     }
 
     /// [`Mlp::forward`] for [`Pass::Train`]: the gate as one fused op with its own backward.
@@ -328,21 +411,17 @@ impl Attention {
             cfg.head_dim,
         );
         let offset = cache.seq_len();
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape((b, l, nh, hd))?
-            .transpose(1, 2)?;
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape((b, l, nkv, hd))?
-            .transpose(1, 2)?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape((b, l, nkv, hd))?
-            .transpose(1, 2)?;
+        let qkv = match pass {
+            Pass::Infer => Linear::forward_many(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?,
+            Pass::Train => vec![
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            ],
+        };
+        let q = qkv[0].reshape((b, l, nh, hd))?.transpose(1, 2)?;
+        let k = qkv[1].reshape((b, l, nkv, hd))?.transpose(1, 2)?;
+        let v = qkv[2].reshape((b, l, nkv, hd))?.transpose(1, 2)?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q.contiguous()?, pass)?,
             None => q,

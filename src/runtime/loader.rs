@@ -370,6 +370,64 @@ pub fn load_gguf(
     load_gguf_with(path, device, GgufOptions::default())
 }
 
+/// Stack quantized projections of the same input (q/k/v, gate/up) into one quantized matrix,
+/// each keeping its rows as a part (see [`Weight::Quant`]): a decode step then quantizes the
+/// input once and makes one kernel call instead of two or three. The separate matrices are
+/// dropped (the f32 prefill copies stay per projection). Left as they are when the types or
+/// input widths differ (k-quant files mix types), or a projection is not a quantized tensor.
+fn stack_quantized<const N: usize>(
+    parts: [Linear; N],
+    device: &Device,
+) -> Result<[Linear; N], RuntimeError> {
+    let mut tensors = Vec::with_capacity(N);
+    for l in &parts {
+        match &l.weight {
+            Weight::Quant {
+                q, part: None, ..
+            } => match q.as_ref() {
+                QMatMul::QTensor(t) => tensors.push(t.clone()),
+                _ => return Ok(parts),
+            },
+            _ => return Ok(parts),
+        }
+    }
+    let dtype = tensors[0].dtype();
+    let inp = tensors[0].shape().dims2()?.1;
+    let mut rows = Vec::with_capacity(N);
+    for t in &tensors {
+        let (o, i) = t.shape().dims2()?;
+        if t.dtype() != dtype || i != inp {
+            return Ok(parts);
+        }
+        rows.push(o);
+    }
+    let mut data = Vec::new();
+    for t in &tensors {
+        data.extend_from_slice(&t.data()?);
+    }
+    let total: usize = rows.iter().sum();
+    let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), device, dtype)?;
+    let fused = Arc::new(QMatMul::from_qtensor(QTensor::new(storage, (total, inp))?)?);
+    let mut start = 0;
+    Ok(parts.map(|l| {
+        let len = rows.remove(0);
+        let dense = match l.weight {
+            Weight::Quant { dense, .. } => dense,
+            Weight::Dense(_) => None,
+        };
+        let out = Linear {
+            weight: Weight::Quant {
+                q: fused.clone(),
+                dense,
+                part: Some((start, len)),
+            },
+            ..l
+        };
+        start += len;
+        out
+    }))
+}
+
 /// Load a GGUF file with explicit options.
 pub fn load_gguf_with(
     path: &Path,
@@ -489,6 +547,7 @@ pub fn load_gguf_with(
             weight: Weight::Quant {
                 q: Arc::new(QMatMul::from_qtensor(t)?),
                 dense,
+                part: None,
             },
             bias: None,
             lora: None,
@@ -506,12 +565,17 @@ pub fn load_gguf_with(
             }
             Ok(l)
         };
-        let q_proj = lin("attn_q", cfg.qkv_bias)?;
-        let k_proj = lin("attn_k", cfg.qkv_bias)?;
-        let v_proj = lin("attn_v", cfg.qkv_bias)?;
+        let [q_proj, k_proj, v_proj] = stack_quantized(
+            [
+                lin("attn_q", cfg.qkv_bias)?,
+                lin("attn_k", cfg.qkv_bias)?,
+                lin("attn_v", cfg.qkv_bias)?,
+            ],
+            device,
+        )?;
         let o_proj = lin("attn_output", false)?;
-        let gate_proj = lin("ffn_gate", false)?;
-        let up_proj = lin("ffn_up", false)?;
+        let [gate_proj, up_proj] =
+            stack_quantized([lin("ffn_gate", false)?, lin("ffn_up", false)?], device)?;
         let down_proj = lin("ffn_down", false)?;
         let mut norm = |n: &str| -> Result<RmsNorm, RuntimeError> {
             Ok(RmsNorm {
