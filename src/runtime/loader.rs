@@ -382,9 +382,7 @@ fn stack_quantized<const N: usize>(
     let mut tensors = Vec::with_capacity(N);
     for l in &parts {
         match &l.weight {
-            Weight::Quant {
-                q, part: None, ..
-            } => match q.as_ref() {
+            Weight::Quant { q, part: None, .. } => match q.as_ref() {
                 QMatMul::QTensor(t) => tensors.push(t.clone()),
                 _ => return Ok(parts),
             },
@@ -406,7 +404,8 @@ fn stack_quantized<const N: usize>(
         data.extend_from_slice(&t.data()?);
     }
     let total: usize = rows.iter().sum();
-    let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), device, dtype)?;
+    let storage =
+        candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), device, dtype)?;
     let fused = Arc::new(QMatMul::from_qtensor(QTensor::new(storage, (total, inp))?)?);
     let mut start = 0;
     Ok(parts.map(|l| {
