@@ -72,7 +72,7 @@ pub enum Weight {
 }
 
 /// The stacked projection several [`Linear`]s are parts of, if they are exactly that (in
-/// order, no gaps, no adapters).
+/// order, no gaps; adapters and biases are added per part afterwards).
 fn stacked(parts: &[&Linear]) -> Option<Arc<QMatMul>> {
     let mut fused: Option<&Arc<QMatMul>> = None;
     let mut next = 0;
@@ -85,7 +85,7 @@ fn stacked(parts: &[&Linear]) -> Option<Arc<QMatMul>> {
         else {
             return None;
         };
-        if l.lora.is_some() || *start != next || fused.is_some_and(|f| !Arc::ptr_eq(f, q)) {
+        if *start != next || fused.is_some_and(|f| !Arc::ptr_eq(f, q)) {
             return None;
         }
         fused = Some(q);
@@ -322,9 +322,9 @@ impl Mlp {
 
     /// [`Mlp::forward`] for [`Pass::Train`]: the gate as one fused op with its own backward.
     fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate_proj.forward(x)?;
-        let u = self.up_proj.forward(x)?;
-        self.down_proj.forward(&super::fused::silu_mul(&g, &u)?)
+        let gu = Linear::forward_many(&[&self.gate_proj, &self.up_proj], x)?;
+        self.down_proj
+            .forward(&super::fused::silu_mul(&gu[0], &gu[1])?)
     }
 }
 
@@ -411,14 +411,7 @@ impl Attention {
             cfg.head_dim,
         );
         let offset = cache.seq_len();
-        let qkv = match pass {
-            Pass::Infer => Linear::forward_many(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?,
-            Pass::Train => vec![
-                self.q_proj.forward(x)?,
-                self.k_proj.forward(x)?,
-                self.v_proj.forward(x)?,
-            ],
-        };
+        let qkv = Linear::forward_many(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?;
         let q = qkv[0].reshape((b, l, nh, hd))?.transpose(1, 2)?;
         let k = qkv[1].reshape((b, l, nkv, hd))?.transpose(1, 2)?;
         let v = qkv[2].reshape((b, l, nkv, hd))?.transpose(1, 2)?;

@@ -435,25 +435,25 @@ pub(crate) fn attend_one(
                     score_lanes(&qt, hp, lg, hd, np, |j| pk.at(0, kh, j, hd), scale, &mut sc);
                 }
             }
-            // Each row's own keys: the lane groups holding its heads, kept for its lanes only.
-            let mut tmp = vec![0f32; s * hp];
-            for r in r0..r1 {
-                let (h0, h1) = ((r - r0) * groups, (r - r0 + 1) * groups);
-                for lg in h0 / LANES..h1.div_ceil(LANES) {
-                    score_lanes(
-                        &qt,
-                        hp,
-                        lg,
-                        hd,
-                        s,
-                        |j| own_k.at(r, kh, j, hd),
-                        scale,
-                        &mut tmp,
-                    );
+            // Each row's own keys: the lane groups holding its heads, kept for its lanes only
+            // (an item of one row owns every lane: straight into the scores).
+            if r1 - r0 == 1 {
+                let own = &mut sc[np * hp..];
+                for lg in 0..hp / LANES {
+                    score_lanes(&qt, hp, lg, hd, s, |j| own_k.at(r0, kh, j, hd), scale, own);
                 }
-                for j in 0..s {
-                    sc[(np + j) * hp + h0..(np + j) * hp + h1]
-                        .copy_from_slice(&tmp[j * hp + h0..j * hp + h1]);
+            } else {
+                let mut tmp = vec![0f32; s * hp];
+                for r in r0..r1 {
+                    let (h0, h1) = ((r - r0) * groups, (r - r0 + 1) * groups);
+                    for lg in h0 / LANES..h1.div_ceil(LANES) {
+                        let key = |j| own_k.at(r, kh, j, hd);
+                        score_lanes(&qt, hp, lg, hd, s, key, scale, &mut tmp);
+                    }
+                    for j in 0..s {
+                        sc[(np + j) * hp + h0..(np + j) * hp + h1]
+                            .copy_from_slice(&tmp[j * hp + h0..j * hp + h1]);
+                    }
                 }
             }
             // Left padding, then softmax per lane over every key.

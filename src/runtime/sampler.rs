@@ -78,11 +78,11 @@ impl Sampler {
             sorted = sort_head(&mut cand, sorted, k);
             cand.truncate(k);
         }
-        let total: f64 = cand.iter().map(|c| c.1).sum();
         if let Some(p) = self.top_p
             && p > 0.0
             && p < 1.0
         {
+            let total: f64 = cand.iter().map(|c| c.1).sum();
             let mut acc = 0.0;
             let mut keep = cand.len();
             let mut i = 0;
