@@ -151,6 +151,16 @@ pub struct ModeArgs {
     /// Sampling temperature of the imagined turns and simulations.
     #[arg(long, default_value_t = 0.3)]
     pub rehearsal_temperature: f64,
+    /// What the actor commits after rehearsal: reprompt (ask again with the memory) or
+    /// draft-unless-failure (keep the drafted call unless its own branch predicted a failure).
+    #[arg(long, value_enum, default_value = "reprompt")]
+    pub rehearsal_commit: RehearsalCommitArg,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum RehearsalCommitArg {
+    Reprompt,
+    DraftUnlessFailure,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -391,6 +401,11 @@ pub struct PretrainArgs {
     /// fraction is a probability: 2.5 = two drills, and a third half the time).
     #[arg(long, default_value_t = 1.0)]
     pub copy_per_task: f64,
+    /// Fraction of simulator examples whose few-shot pool is the task's whole recorded gold run
+    /// (the call being simulated included), as in rehearse-mode training: the simulator learns
+    /// to answer a recorded call with its recorded response and a slipped one with its error.
+    #[arg(long, default_value_t = 0.0)]
+    pub recorded_fraction: f64,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,
@@ -442,8 +457,13 @@ pub struct TrainArgs {
     /// Learning rate (default 1e-4; 1e-3 with --lora).
     #[arg(long)]
     pub lr: Option<f64>,
+    /// The actor's sampling temperature in rollouts.
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f64,
+    /// The simulator's sampling temperature in rollouts (low: a broken JSON response ends its
+    /// episode with reward 0).
+    #[arg(long, default_value_t = 0.3)]
+    pub sim_temperature: f64,
     #[arg(long, default_value_t = 0.0)]
     pub kl: f64,
     #[arg(long, default_value_t = 0.0)]
@@ -462,6 +482,13 @@ pub struct TrainArgs {
     /// Wall-clock budget in minutes.
     #[arg(long)]
     pub minutes: Option<f64>,
+    /// Stop when the mean reward of the last N steps falls below a quarter of the first N
+    /// steps' (0 = never).
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    pub collapse_patience: usize,
+    /// Also write every rollout episode as a session file under DIR (step-NNNN/TASK-gG.jsonl).
+    #[arg(long, value_name = "DIR")]
+    pub rollouts: Option<PathBuf>,
     #[command(flatten)]
     pub lora: LoraArgs,
     #[arg(long, required = true)]

@@ -37,6 +37,12 @@ pub fn rehearsal_tuning(m: &ModeArgs) -> Result<envace::engine::runner::Rehearsa
         MemoryPlacementArg::User => MemoryPlacement::UserMessage,
         MemoryPlacementArg::System => MemoryPlacement::SystemSuffix,
     };
+    t.memory.commit = match m.rehearsal_commit {
+        crate::cli::RehearsalCommitArg::Reprompt => envace::engine::types::CommitRule::Reprompt,
+        crate::cli::RehearsalCommitArg::DraftUnlessFailure => {
+            envace::engine::types::CommitRule::DraftUnlessFailure
+        }
+    };
     let k = |s: &str| -> Result<usize> {
         s.parse::<usize>()
             .ok()
@@ -409,6 +415,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         group: a.group,
         lr: default_lr(a.lr, model.lora.is_some()),
         temperature: a.temperature,
+        sim_temperature: a.sim_temperature,
         kl_coef: a.kl,
         entropy_coef: a.entropy,
         seed: a.seed,
@@ -416,6 +423,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
         time_budget_s: a.minutes.map(|m| m * 60.0),
         grounding_coef: a.grounding,
         grounding_sessions: a.grounding_sessions.clone(),
+        rollouts_dir: a.rollouts.clone(),
+        collapse_patience: a.collapse_patience,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -130,6 +130,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.memory_fraction = a.memory_fraction;
     cfg.corpus.slip_fraction = a.slip_fraction;
     cfg.corpus.copy_per_task = a.copy_per_task;
+    cfg.corpus.recorded_fraction = a.recorded_fraction;
     cfg.corpus.seed = a.seed;
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;
@@ -265,6 +266,7 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
             memory_placement: cli::MemoryPlacementArg::User,
             rehearsal_depth: "2".into(),
             rehearsal_temperature: 0.3,
+            rehearsal_commit: cli::RehearsalCommitArg::Reprompt,
         },
         out: Some(out),
         json: false,

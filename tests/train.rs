@@ -205,11 +205,13 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
     );
     let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
     let out = tempfile::tempdir().unwrap();
+    let rollouts = out.path().join("rollouts");
     let cfg = GrpoConfig {
         steps: 1,
         batch: 2,
         group: 3,
         mode: ModeChoice::Rehearse,
+        rollouts_dir: Some(rollouts.clone()),
         ..Default::default()
     };
     let mut sink = MemorySink::default();
@@ -237,6 +239,24 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
         "grpo"
     );
     LocalModel::load_on(&fin, &Device::Cpu, None).unwrap();
+    // Every rollout episode is on disk as a session, and the sessions hold the rows trained.
+    let files: Vec<_> = std::fs::read_dir(rollouts.join("step-0000"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 6, "{files:?}");
+    let mut rows = 0;
+    for f in &files {
+        let s = envace::session::read_session(f).unwrap();
+        assert_eq!(s.header.environment, "bank");
+        assert!(
+            f.display()
+                .to_string()
+                .contains(s.header.task_id.as_deref().unwrap())
+        );
+        rows += envace::session::training_rows(&s.events).len();
+    }
+    assert_eq!(rows as f64, m.get("rows").unwrap());
 }
 
 /// Record `n` train-split episodes of the bundled model in `mode` into `dir`.

@@ -26,10 +26,10 @@ use super::prompts::{
     tool_message, tools_json,
 };
 use super::types::{
-    ApprovalGate, BranchEnd, BranchStep, BranchSummary, Decision, EndReason, EngineConfig,
-    EpisodeSpec, GenRole, MemoryPlacement, Mode, Prediction, PrivateRehearsal, RecordedExample,
-    RehearsalDepth, RehearsalStrategy, RehearsalTrigger, ScoredBy, SimFailurePolicy,
-    SimulatedOutcome,
+    ApprovalGate, BranchEnd, BranchStep, BranchSummary, CommitRule, Decision, EndReason,
+    EngineConfig, EpisodeSpec, GenRole, MemoryPlacement, Mode, Prediction, PrivateRehearsal,
+    RecordedExample, RehearsalDepth, RehearsalStrategy, RehearsalTrigger, ScoredBy,
+    SimFailurePolicy, SimulatedOutcome,
 };
 use crate::env::{EpisodeTrace, Score, ToolResponse};
 use crate::message::{Message, Role, ToolCall};
@@ -387,6 +387,8 @@ struct Rehearsal {
     start_id: String,
     /// The actor's proposed turn: the first step of branch 0.
     proposal: Option<(ActorTurn, Vec<String>)>,
+    /// The same proposal, kept for [`CommitRule::DraftUnlessFailure`].
+    draft: (ActorTurn, Vec<String>),
     /// Parallel mode: pre-generated first steps of branches 1…N-1.
     first_steps: VecDeque<(Pending, usize, Generation)>,
     done: Vec<BranchSummary>,
@@ -1254,6 +1256,7 @@ impl Engine {
         let r = Box::new(Rehearsal {
             cfg,
             start_id,
+            draft: (proposal.clone(), ids.clone()),
             proposal: Some((proposal, ids)),
             first_steps: VecDeque::new(),
             done: Vec::new(),
@@ -1570,6 +1573,27 @@ impl Engine {
             },
         );
         self.tip = Some(id);
+        let draft_failed = r
+            .done
+            .iter()
+            .find(|b| b.index == 0)
+            .is_none_or(|b| matches!(b.prediction, Prediction::Failure { .. }));
+        if r.cfg.memory.commit == CommitRule::DraftUnlessFailure && !draft_failed {
+            // Commit the draft as proposed: the memory is on record, the actor is not asked
+            // again.
+            let (turn, ids) = r.draft;
+            let calls = self.queue(&turn, &ids);
+            let msg = assistant_message(&turn, &ids);
+            self.persist(EventBody::Message {
+                message: msg.clone(),
+            });
+            self.conv.push(msg);
+            return self.next_call(CallsState {
+                calls,
+                next: 0,
+                verdict: Some(verdict),
+            });
+        }
         self.actor_turn(Some((text, verdict)));
     }
 }

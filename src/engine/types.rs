@@ -161,6 +161,22 @@ pub struct MemoryConfig {
     /// Simulated results longer than this are cut (characters).
     pub max_result_chars: usize,
     pub placement: MemoryPlacement,
+    /// What the actor commits after the rehearsal.
+    #[serde(default)]
+    pub commit: CommitRule,
+}
+
+/// What the actor commits after a Private Rehearsal.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommitRule {
+    /// Always ask the actor again, with the memory in its prompt.
+    #[default]
+    Reprompt,
+    /// Keep the drafted call (branch 0's first step) unless its own rehearsal predicted a
+    /// failure; only then ask again with the memory. A simulator that is right about failures
+    /// but unsure about hidden state then changes the course only where it saw trouble.
+    DraftUnlessFailure,
 }
 
 impl Default for MemoryConfig {
@@ -171,6 +187,7 @@ impl Default for MemoryConfig {
             selection: MemorySelection::All,
             max_result_chars: 200,
             placement: MemoryPlacement::UserMessage,
+            commit: CommitRule::default(),
         }
     }
 }

@@ -81,6 +81,13 @@ pub struct CorpusConfig {
     /// otherwise learns slowly from the sparse copies inside full episodes.
     #[serde(default)]
     pub copy_per_task: f64,
+    /// Fraction of simulator examples (gold calls and slips) whose few-shot pool is the task's
+    /// whole recorded gold run, the call being simulated included: the context the simulator
+    /// has in rehearse-mode training. It learns to answer a call that matches a recorded one
+    /// with the recorded response, and a slipped call with the real error even though the
+    /// gold call sits in the pool. Otherwise the pool is the other gold steps only.
+    #[serde(default)]
+    pub recorded_fraction: f64,
     pub seed: u64,
 }
 
@@ -92,6 +99,7 @@ impl Default for CorpusConfig {
             memory_fraction: 0.0,
             slip_fraction: 0.0,
             copy_per_task: 0.0,
+            recorded_fraction: 0.0,
             seed: 0,
         }
     }
@@ -114,6 +122,7 @@ impl Default for PretrainConfig {
                 memory_fraction: 0.4,
                 slip_fraction: 0.3,
                 copy_per_task: 1.0,
+                recorded_fraction: 0.0,
                 seed: 0,
             },
             sft: SftConfig {
@@ -277,17 +286,9 @@ pub fn corpus(
             }
             for k in chosen {
                 let gc = &calls[k];
-                // Few-shot pool: the task's other gold steps (never the answer being trained).
-                let examples: Vec<RecordedExample> = calls
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, _)| *j != k)
-                    .map(|(_, o)| RecordedExample {
-                        name: o.call.name.clone(),
-                        arguments: o.call.arguments.clone(),
-                        response: o.response.clone(),
-                    })
-                    .collect();
+                // Few-shot pool: the task's other gold steps, or (rehearse-mode context) the
+                // whole recorded run.
+                let examples = recorded_pool(&calls, k, recorded(cfg, &mut rng));
                 let prompt = simulator_prompt(
                     &SimulatorPromptInput {
                         tools: &tools,
@@ -314,6 +315,7 @@ pub fn corpus(
                     task: &task,
                     msgs: &msgs,
                     calls: &calls,
+                    recorded: recorded(cfg, &mut rng),
                 };
                 out.extend(slip_examples(&slip, &mut rng)?);
             }
@@ -329,6 +331,27 @@ pub fn corpus(
         }
     }
     Ok(out)
+}
+
+/// Whether this simulator example sees the whole recorded run (one draw, only when the fraction
+/// is on, so that corpora without it are the ones earlier commands produced).
+fn recorded(cfg: &CorpusConfig, rng: &mut StdRng) -> bool {
+    cfg.recorded_fraction > 0.0 && rng.random::<f64>() < cfg.recorded_fraction
+}
+
+/// The simulator's few-shot pool for gold call `k`: the other gold steps, or every gold step
+/// (`k` included) when `whole_run`.
+fn recorded_pool(calls: &[GoldCall], k: usize, whole_run: bool) -> Vec<RecordedExample> {
+    calls
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| whole_run || *j != k)
+        .map(|(_, o)| RecordedExample {
+            name: o.call.name.clone(),
+            arguments: o.call.arguments.clone(),
+            response: o.response.clone(),
+        })
+        .collect()
 }
 
 /// A copy of `call` with one id argument (`prefix_N`) renumbered, or, without ids, one integer
@@ -408,6 +431,8 @@ struct SlipInput<'a> {
     task: &'a Task,
     msgs: &'a [Message],
     calls: &'a [GoldCall],
+    /// The simulator example's pool is the whole recorded run (see [`CorpusConfig`]).
+    recorded: bool,
 }
 
 /// A slip of one gold call, answered by the domain's real response: a simulator example for
@@ -447,17 +472,7 @@ fn slip_examples(x: &SlipInput<'_>, rng: &mut StdRng) -> Result<Vec<Segmented>, 
     };
     let mut conv = x.msgs[..gc.message].to_vec();
     conv.push(slipped);
-    let examples: Vec<RecordedExample> = x
-        .calls
-        .iter()
-        .enumerate()
-        .filter(|(j, _)| *j != k)
-        .map(|(_, o)| RecordedExample {
-            name: o.call.name.clone(),
-            arguments: o.call.arguments.clone(),
-            response: o.response.clone(),
-        })
-        .collect();
+    let examples = recorded_pool(x.calls, k, x.recorded);
     let prompt = simulator_prompt(
         &SimulatorPromptInput {
             tools: x.tools,
@@ -800,8 +815,63 @@ mod tests {
             memory_fraction,
             slip_fraction: 0.0,
             copy_per_task: 0.0,
+            recorded_fraction: 0.0,
             seed: 7,
         }
+    }
+
+    /// (prompt, trained result JSON) of every simulator text.
+    fn sim_pairs(texts: &[Segmented]) -> Vec<(String, String)> {
+        texts
+            .iter()
+            .filter(|t| t.role == Role::Tool)
+            .map(|t| {
+                let (p, r) = (&t.segments[0].0, &t.segments[1].0);
+                let json = r
+                    .trim_start_matches("<execution_result>")
+                    .split("</execution_result>")
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                (p.clone(), json)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn recorded_runs_put_the_simulated_call_and_its_response_in_the_pool() {
+        let mut c = cfg(0.0);
+        c.sim_per_task = 0;
+        let plain = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact(), &c).unwrap();
+        c.recorded_fraction = 1.0;
+        c.slip_fraction = 1.0;
+        let recorded = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact(), &c).unwrap();
+        let pairs = sim_pairs(&recorded);
+        assert!(pairs.len() > 90, "{} simulator texts", pairs.len());
+        // Gold calls: the target is in the prompt (the recorded run holds it).
+        let copied = pairs.iter().filter(|(p, r)| p.contains(r.as_str())).count();
+        // Slips (one per task here) answer with the real error, which the pool does not hold.
+        let errors = pairs
+            .iter()
+            .filter(|(_, r)| r.contains("\"error\""))
+            .count();
+        assert!(
+            copied + errors >= pairs.len(),
+            "{copied} copied, {errors} errors of {}",
+            pairs.len()
+        );
+        assert!(copied * 2 > pairs.len(), "{copied} of {}", pairs.len());
+        // Without it, the pool never holds the call being simulated.
+        let plain_pairs = sim_pairs(&plain);
+        let leaked = plain_pairs
+            .iter()
+            .filter(|(p, r)| p.contains(r.as_str()))
+            .count();
+        assert!(
+            leaked * 5 < plain_pairs.len(),
+            "{leaked} of {}",
+            plain_pairs.len()
+        );
     }
 
     #[test]

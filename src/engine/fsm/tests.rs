@@ -984,6 +984,76 @@ fn commit_turn_is_not_rehearsed_again() {
 }
 
 #[test]
+fn draft_unless_failure_commits_the_draft_when_its_branch_did_not_fail() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1));
+    p.memory.commit = CommitRule::DraftUnlessFailure;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            // proposal, branch 1's first step (a slip), then straight to the answer: the actor
+            // is not asked again before the real call.
+            .actor_owned(vec![
+                transfer.clone(),
+                call_text("transfer", json!({"amount": 50})),
+                "Paid.".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"ok": true})),
+                result_text(json!({"error_tool_call": {"code": "limit", "message": "too much"}})),
+            ]),
+    );
+    let actor = r.generates(GenRole::Actor);
+    assert_eq!(
+        actor.len(),
+        3,
+        "proposal, one batched branch step, final answer"
+    );
+    assert!(
+        !actor[2]
+            .messages
+            .iter()
+            .any(|m| m.content.contains("Private rehearsal")),
+        "no memory prompt: the draft was committed"
+    );
+    assert_eq!(
+        r.count("rehearsal_memory"),
+        1,
+        "the memory is still on record"
+    );
+    let calls = r.real_calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].arguments, json!({"amount": 5}), "the drafted call");
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+#[test]
+fn draft_unless_failure_asks_again_when_the_drafts_branch_failed() {
+    let transfer = call_text("transfer", json!({"amount": 50}));
+    let mut p = pr(1, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1));
+    p.memory.commit = CommitRule::DraftUnlessFailure;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            .actor_owned(vec![
+                transfer,
+                call_text("transfer", json!({"amount": 5})),
+                "Paid.".into(),
+            ])
+            .sim(vec![result_text(
+                json!({"error_tool_call": {"code": "limit", "message": "too much"}}),
+            )]),
+    );
+    let actor = r.generates(GenRole::Actor);
+    assert_eq!(actor.len(), 3, "proposal, commit with the memory, answer");
+    let note = &actor[1].messages.last().expect("memory").content;
+    assert!(note.contains("call rejected: limit"), "{note}");
+    assert_eq!(r.real_calls()[0].arguments, json!({"amount": 5}));
+}
+
+#[test]
 fn branch_runs_to_the_end_when_depth_is_unbounded() {
     let transfer = call_text("transfer", json!({"amount": 5}));
     let mode = with_rehearsal(
