@@ -151,9 +151,9 @@ pub struct ModeArgs {
     /// Sampling temperature of the imagined turns and simulations.
     #[arg(long, default_value_t = 0.3)]
     pub rehearsal_temperature: f64,
-    /// What the actor commits after rehearsal: reprompt (ask again with the memory) or
-    /// draft-unless-failure (keep the drafted call unless its own branch predicted a failure).
-    #[arg(long, value_enum, default_value = "reprompt")]
+    /// What the actor commits after rehearsal: draft-unless-failure (keep the drafted call
+    /// unless its own branch predicted a failure) or reprompt (always ask again with the memory).
+    #[arg(long, value_enum, default_value = "draft-unless-failure")]
     pub rehearsal_commit: RehearsalCommitArg,
 }
 
@@ -454,7 +454,7 @@ pub struct TrainArgs {
     /// Tasks per step.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
-    /// Learning rate (default 1e-4; 1e-3 with --lora).
+    /// Learning rate (default 2e-5; 1e-3 with --lora).
     #[arg(long)]
     pub lr: Option<f64>,
     /// The actor's sampling temperature in rollouts.

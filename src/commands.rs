@@ -413,7 +413,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
         steps: a.steps,
         batch: a.batch,
         group: a.group,
-        lr: default_lr(a.lr, model.lora.is_some()),
+        lr: a.lr.unwrap_or(if model.lora.is_some() {
+            1e-3
+        } else {
+            GrpoConfig::default().lr
+        }),
         temperature: a.temperature,
         sim_temperature: a.sim_temperature,
         kl_coef: a.kl,

@@ -69,7 +69,7 @@ impl TrainTab {
             Field::number("batch", "tasks / step", 4.0, (1.0, 1.0, 64.0), 0),
             Field::number("group", "episodes / task", 4.0, (1.0, 2.0, 32.0), 0),
             Field::choice("lora", "LoRA rank", &["full", "4", "8", "16", "32"], 0),
-            Field::number("lr", "learning rate", 1e-4, (0.0, 1e-7, 1e-2), 6),
+            Field::number("lr", "learning rate", 2e-5, (0.0, 1e-7, 1e-2), 6),
             Field::number("temperature", "temperature", 1.0, (0.1, 0.1, 2.0), 1),
             Field::number("kl", "KL coef", 0.0, (0.01, 0.0, 1.0), 2),
             Field::number("seed", "seed", 0.0, (1.0, 0.0, 1e9), 0),

@@ -554,6 +554,11 @@ async fn rehearsed_session(
                 branches: 2,
                 strategy,
                 depth: RehearsalDepth::Turns(1),
+                // The script answers the re-prompt (proposal, branch, commit, answer).
+                memory: crate::engine::types::MemoryConfig {
+                    commit: crate::engine::types::CommitRule::Reprompt,
+                    ..Default::default()
+                },
                 ..PrivateRehearsal::default()
             }),
         }),

@@ -256,7 +256,11 @@ fn pr(branches: usize, strategy: RehearsalStrategy, depth: RehearsalDepth) -> Pr
         strategy,
         trigger: RehearsalTrigger::Irreversible,
         depth,
-        memory: MemoryConfig::default(),
+        // These tests follow the re-prompt path; the draft rule has its own tests.
+        memory: MemoryConfig {
+            commit: CommitRule::Reprompt,
+            ..MemoryConfig::default()
+        },
         sampling: SamplingParams::default(),
     }
 }
