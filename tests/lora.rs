@@ -382,14 +382,14 @@ fn lora_grpo_runs_two_steps_and_its_adapter_checkpoint_resumes() {
     use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
     let src = bundled();
     let cfg = LoraConfig::new(8, None, "", 0).unwrap();
-    // Real mode, seed 14: step 1 has no reward signal (no optimizer step), step 2 has some, so
+    // Real mode, seed 1: step 1 has no reward signal (no optimizer step), step 2 has some, so
     // the resumed step 2 must restore the optimizer's own step count, not the trainer's.
     let grpo = GrpoConfig {
         steps: 2,
         batch: 4,
         group: 4,
         lr: 1e-3,
-        seed: 14,
+        seed: 1,
         mode: ModeChoice::Real,
         checkpoint_every: 1,
         ..Default::default()
