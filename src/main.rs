@@ -131,6 +131,15 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.slip_fraction = a.slip_fraction;
     cfg.corpus.copy_per_task = a.copy_per_task;
     cfg.corpus.recorded_fraction = a.recorded_fraction;
+    for (flag, v) in [
+        ("--memory-fraction", a.memory_fraction),
+        ("--slip-fraction", a.slip_fraction),
+        ("--recorded-fraction", a.recorded_fraction),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            anyhow::bail!("{flag} {v}: a fraction between 0 and 1");
+        }
+    }
     cfg.corpus.seed = a.seed;
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;

@@ -79,3 +79,30 @@ fn memory_format_and_depth_reach_the_session() {
         "json memory format"
     );
 }
+
+#[test]
+fn pretrain_fractions_out_of_range_name_the_flag() {
+    for flag in [
+        "--memory-fraction",
+        "--slip-fraction",
+        "--recorded-fraction",
+    ] {
+        let out = envace()
+            .args([
+                "pretrain",
+                "--out",
+                "/nonexistent/never-written",
+                "--dry-run",
+                flag,
+                "1.5",
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(flag) && err.contains("between 0 and 1"),
+            "{err}"
+        );
+    }
+}
