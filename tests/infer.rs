@@ -183,8 +183,8 @@ fn decode_steps_match_the_whole_sequence_on_the_smollm2_gguf() {
         "{} is missing: run scripts/fetch-fixtures (scripts/test does)",
         p.display()
     );
-    // Without the f32 prefill copies both paths use the same Q8_0 projections, so the
-    // difference is the attention alone.
+    // Without the f32 prefill copies the tensor path runs candle's kernels on the projections
+    // requantized to Q8_0, the fast path the tiled kernels on the file's Q4_1 weights.
     let opts = GgufOptions {
         dense_prefill: false,
         ..GgufOptions::default()
@@ -267,17 +267,26 @@ fn decode_steps_match_the_whole_sequence_on_the_smollm2_gguf() {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i)
     };
-    let same_top = fast
-        .iter()
-        .zip(&slow)
-        .filter(|(a, b)| argmax(a) == argmax(b))
-        .count();
+    let same_top = |a: &[Vec<f32>]| {
+        a.iter()
+            .zip(&reference)
+            .filter(|(x, y)| argmax(x) == argmax(y))
+            .count()
+    };
+    let (top_fast, top_slow) = (same_top(&fast), same_top(&slow));
     eprintln!(
         "smollm2 decode steps: fast vs tensor path max abs logit diff {d}; vs the f32 \
-         reference: fast max {e_fast} mean {m_fast:.4}, tensor max {e_slow} mean {m_slow:.4}; same greedy token {same_top}/{}",
+         reference: fast max {e_fast} mean {m_fast:.4}, tensor max {e_slow} mean {m_slow:.4}; \
+         the reference's greedy token: fast {top_fast}/{n}, tensor {top_slow}/{n}",
+        n = fast.len()
+    );
+    // (The fast path's Q4_1 tiles use the file's weights; the tensor path runs them
+    // requantized to Q8_0, so on near-ties the two may pick different tokens.)
+    assert!(
+        top_fast >= top_slow && top_fast + 1 >= fast.len(),
+        "greedy tokens: fast {top_fast}, tensor {top_slow} of {}",
         fast.len()
     );
-    assert_eq!(same_top, fast.len(), "greedy tokens differ");
     assert!(
         e_fast <= 1.25 * e_slow,
         "fast path {e_fast} vs tensor path {e_slow} from the f32 reference"

@@ -440,6 +440,7 @@ fn smollm2_decoder_matches_stock_quantized_llama() {
         GgufOptions {
             requantize: false,
             dense_prefill: false,
+            tiles: false,
         },
     )
     .unwrap();

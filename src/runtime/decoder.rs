@@ -68,30 +68,62 @@ pub enum Weight {
         /// one input quantization and one kernel call per step instead of two or three) and
         /// this one is output features `start..start + len` of it.
         part: Option<(usize, usize)>,
+        /// The same Q8_0 weight (all parts, when stacked) repacked for the tiled AVX-512
+        /// decode kernels ([`super::q8_tiles`]); absent on other CPUs and types.
+        tiles: Option<Arc<super::quant_tiles::Tiles>>,
     },
 }
 
 /// The stacked projection several [`Linear`]s are parts of, if they are exactly that (in
 /// order, no gaps; adapters and biases are added per part afterwards).
-fn stacked(parts: &[&Linear]) -> Option<Arc<QMatMul>> {
-    let mut fused: Option<&Arc<QMatMul>> = None;
+fn stacked(parts: &[&Linear]) -> Option<QuantRef> {
+    let mut fused: Option<QuantRef> = None;
     let mut next = 0;
     for l in parts {
         let Weight::Quant {
             q,
             part: Some((start, len)),
+            tiles,
             ..
         } = &l.weight
         else {
             return None;
         };
-        if *start != next || fused.is_some_and(|f| !Arc::ptr_eq(f, q)) {
+        if *start != next || fused.as_ref().is_some_and(|f| !Arc::ptr_eq(&f.q, q)) {
             return None;
         }
-        fused = Some(q);
+        fused = Some(QuantRef {
+            q: q.clone(),
+            tiles: tiles.clone(),
+        });
         next = start + len;
     }
-    fused.cloned()
+    fused
+}
+
+/// A quantized weight and its tiled repacking, if any.
+struct QuantRef {
+    q: Arc<QMatMul>,
+    tiles: Option<Arc<super::quant_tiles::Tiles>>,
+}
+
+impl QuantRef {
+    /// `x2 · Wᵀ` for `x2` (rows, in): the tiled kernel for a few rows of f32 inference input,
+    /// else candle's quantized matmul.
+    fn forward(&self, x2: &Tensor) -> Result<Tensor> {
+        match &self.tiles {
+            Some(t)
+                if super::infer::is_enabled()
+                    && !x2.track_op()
+                    && x2.device().is_cpu()
+                    && x2.dtype() == DType::F32
+                    && x2.dim(0)? <= super::quant_tiles::MAX_ROWS =>
+            {
+                t.matmul(x2)
+            }
+            _ => self.q.forward(x2),
+        }
+    }
 }
 
 /// Rows above which a quantized projection uses its dense copy: candle's quantized matmul
@@ -215,12 +247,24 @@ impl Linear {
                 super::infer::few_rows_matmul(&x2, w)?
             }
             Weight::Dense(w) => x2.matmul(&w.t()?)?,
-            Weight::Quant { q, dense, part } => match dense {
+            Weight::Quant {
+                q,
+                dense,
+                part,
+                tiles,
+            } => match dense {
                 Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
-                _ => match part {
-                    Some((start, len)) => q.forward(&x2)?.narrow(1, *start, *len)?,
-                    None => q.forward(&x2)?,
-                },
+                _ => {
+                    let y = QuantRef {
+                        q: q.clone(),
+                        tiles: tiles.clone(),
+                    }
+                    .forward(&x2)?;
+                    match part {
+                        Some((start, len)) => y.narrow(1, *start, *len)?,
+                        None => y,
+                    }
+                }
             },
         };
         let y = self.extras(y, &x2)?;

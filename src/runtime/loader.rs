@@ -351,6 +351,9 @@ pub struct GgufOptions {
     pub requantize: bool,
     /// Keep an f32 copy of each projection for prefill (when it fits the budget).
     pub dense_prefill: bool,
+    /// Repack Q4_1/Q8_0 projections for the tiled AVX-512 decode kernels
+    /// ([`super::quant_tiles`]), where the CPU has them.
+    pub tiles: bool,
 }
 
 impl Default for GgufOptions {
@@ -358,6 +361,7 @@ impl Default for GgufOptions {
         Self {
             requantize: true,
             dense_prefill: true,
+            tiles: true,
         }
     }
 }
@@ -407,6 +411,16 @@ fn stack_quantized<const N: usize>(
     let storage =
         candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), device, dtype)?;
     let fused = Arc::new(QMatMul::from_qtensor(QTensor::new(storage, (total, inp))?)?);
+    let part_tiles: Option<Vec<&super::quant_tiles::Tiles>> = parts
+        .iter()
+        .map(|l| match &l.weight {
+            Weight::Quant { tiles, .. } => tiles.as_deref(),
+            Weight::Dense(_) => None,
+        })
+        .collect();
+    let tiles = part_tiles
+        .and_then(|t| super::quant_tiles::Tiles::stack(&t))
+        .map(Arc::new);
     let mut start = 0;
     Ok(parts.map(|l| {
         let len = rows.remove(0);
@@ -419,6 +433,7 @@ fn stack_quantized<const N: usize>(
                 q: fused.clone(),
                 dense,
                 part: Some((start, len)),
+                tiles: tiles.clone(),
             },
             ..l
         };
@@ -529,7 +544,14 @@ pub fn load_gguf_with(
         } else {
             None
         };
-        // Types whose CPU vec_dot is the scalar fallback are requantized to Q8_0.
+        // The tiled decode kernels take Q4_1 and Q8_0 as they are in the file.
+        let mut tiles = if opts.tiles {
+            super::quant_tiles::Tiles::new(&t)?
+        } else {
+            None
+        };
+        // Types whose CPU vec_dot is the scalar fallback are requantized to Q8_0 (for prefill
+        // without a dense copy, and for the tiles when the file's type has none).
         let t = match t.dtype() {
             GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1
                 if opts.requantize && device.is_cpu() =>
@@ -542,11 +564,15 @@ pub fn load_gguf_with(
             }
             _ => t,
         };
+        if tiles.is_none() && opts.tiles {
+            tiles = super::quant_tiles::Tiles::new(&t)?;
+        }
         Ok(Linear {
             weight: Weight::Quant {
                 q: Arc::new(QMatMul::from_qtensor(t)?),
                 dense,
                 part: None,
+                tiles: tiles.map(Arc::new),
             },
             bias: None,
             lora: None,

@@ -16,6 +16,7 @@ pub mod infer;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
+pub mod quant_tiles;
 pub mod sampler;
 pub mod tokenizer;
 

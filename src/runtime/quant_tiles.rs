@@ -1,0 +1,675 @@
+//! Quantized projections for decode steps (a few rows), from weight tiles with AVX-512BW
+//! kernels: Q4_1 weights as they are in the file, and Q8_0.
+//!
+//! Why it exists: a decode step reads every weight once, so its speed is the bytes it reads
+//! and the instructions per weight. Candle has no SIMD kernel for Q4_1 (scalar fallback, so the
+//! loader requantized Q4_1 files to Q8_0: twice the bytes), and its Q8_0 kernel has a fast
+//! AVX-512 VNNI path only when the input width is a multiple of 256 (SmolLM2's hidden size is
+//! 576): everything else took its AVX2 `vec_dot_4`, half of a decode step in the profile.
+//!
+//! Layout: the weights are repacked once at load into tiles of 16 output rows × one 32-wide
+//! block, so that one 512-bit register holds 4 consecutive weights of each of the 16 rows
+//! (Q8_0: 8 registers per block; Q4_1: 4, each holding two groups of 4 as low and high
+//! nibbles). A step broadcasts 4 activation bytes and multiplies-and-sums pairs (`maddubs`,
+//! `madd`) against the register, accumulating 16 rows' partial dot products in one register;
+//! every weight byte is read once per step whatever the number of input rows (≤ 8).
+//! - Q8_0 weights are signed and `maddubs` wants one unsigned side: the kernel multiplies the
+//!   weights' magnitudes by activations whose sign is flipped where the weight is negative
+//!   (2 · 127 · 127 < 2¹⁵, so the i16 pair sums never saturate).
+//! - Q4_1 weights are `d · q + m` with q in 0..15: `maddubs(q, a)` cannot saturate and the
+//!   block's 8 products per i16 lane are summed in i16 (8 · 15 · 127 < 2¹⁵) before one `madd`;
+//!   the `m` term is `m · d_a · Σ a`, with the activation block sums computed once per step.
+//!
+//! Numerics: activations are quantized per 32 values to i8 with an f16 scale, exactly as
+//! candle's `BlockQ8_0::from_float` does; integer sums per block, scaled in f32. For Q8_0 the
+//! result is candle's Q8_0 × Q8_0 dot product up to the order of the f32 block sums; for Q4_1
+//! it is the file's weights (no requantization) against Q8_0 activations. Each input row is
+//! computed by the same loop whatever the batch, so a batched row equals the same row alone
+//! bit for bit.
+//!
+//! The intrinsics come through `pulp`'s safe feature-token wrappers (this crate forbids
+//! `unsafe`); the tokens are checked at run time, and without AVX-512BW [`Tiles::new`] returns
+//! `None` and candle's kernels serve. The kernels inline into plain code only when the crate is
+//! built for the host CPU (`.cargo/config.toml`).
+
+// The kernels index several arrays by the same counters on purpose (register blocks).
+#![allow(clippy::needless_range_loop)]
+
+use std::sync::Mutex;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::f16;
+
+type Result<T> = candle_core::Result<T>;
+
+/// Output rows per tile: one 512-bit register of i32 or f32.
+const TILE: usize = 16;
+/// Values per block (Q8_0 and Q4_1 alike).
+const BLOCK: usize = 32;
+/// Input rows the kernels take at once (decode batches, rehearsal branches).
+pub const MAX_ROWS: usize = 8;
+
+/// One 32-wide Q8_0 block of 16 output rows: `qs[g]` holds weights 4g..4g+4 of each row
+/// (row-major, 4 bytes per row), as i8 bytes.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Q8Block {
+    qs: [[u8; 64]; 8],
+}
+
+/// One 32-wide Q4_1 block of 16 output rows: `qs[h]` holds, per row, weights 4h..4h+4 in the
+/// low nibbles and 4(h+4)..4(h+4)+4 in the high nibbles.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Q4Block {
+    qs: [[u8; 64]; 4],
+}
+
+/// The repacked weight data, tile-major (tile t, block b at `t · blocks_per_row + b`), with the
+/// rows' f16 scales per block beside it (Q4_1: `d` then `m`).
+enum Kind {
+    Q8 {
+        blocks: Vec<Q8Block>,
+        d: Vec<[u16; TILE]>,
+    },
+    Q4 {
+        blocks: Vec<Q4Block>,
+        dm: Vec<[u16; 2 * TILE]>,
+    },
+}
+
+/// A Q8_0 or Q4_1 weight (out, in) repacked for the tiled kernels.
+pub struct Tiles {
+    out: usize,
+    inp: usize,
+    kind: Kind,
+    simd: Simd,
+}
+
+impl std::fmt::Debug for Tiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.kind {
+            Kind::Q8 { .. } => "Q8_0",
+            Kind::Q4 { .. } => "Q4_1",
+        };
+        write!(f, "Tiles({kind}, {} × {})", self.out, self.inp)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Simd {
+    f: pulp::core_arch::x86::Avx512f,
+    bw: pulp::core_arch::x86::Avx512bw,
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Clone, Copy)]
+struct Simd;
+
+#[cfg(target_arch = "x86_64")]
+fn simd() -> Option<Simd> {
+    Some(Simd {
+        f: pulp::core_arch::x86::Avx512f::try_new()?,
+        bw: pulp::core_arch::x86::Avx512bw::try_new()?,
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn simd() -> Option<Simd> {
+    None
+}
+
+/// Whether this CPU runs the tiled kernels.
+pub fn available() -> bool {
+    simd().is_some()
+}
+
+impl Tiles {
+    /// Repack a CPU Q8_0 or Q4_1 tensor (out, in). `None` for other types or when the CPU
+    /// lacks AVX-512BW. Rows past `out` in the last tile are zero.
+    pub fn new(t: &QTensor) -> Result<Option<Self>> {
+        let Some(simd) = simd() else {
+            return Ok(None);
+        };
+        if !matches!(t.device(), Device::Cpu) {
+            return Ok(None);
+        }
+        let (out, inp) = t.shape().dims2()?;
+        if inp % BLOCK != 0 {
+            return Ok(None);
+        }
+        let kb = inp / BLOCK;
+        let tiles = out.div_ceil(TILE);
+        let data = t.data()?;
+        let block_bytes = match t.dtype() {
+            GgmlDType::Q8_0 => 2 + BLOCK,
+            GgmlDType::Q4_1 => 4 + BLOCK / 2,
+            _ => return Ok(None),
+        };
+        if data.len() != out * kb * block_bytes {
+            candle_core::bail!(
+                "{:?} tensor ({out}, {inp}) holds {} bytes, expected {}",
+                t.dtype(),
+                data.len(),
+                out * kb * block_bytes
+            );
+        }
+        let src = |row: usize, b: usize| {
+            &data[(row * kb + b) * block_bytes..(row * kb + b + 1) * block_bytes]
+        };
+        let kind = if t.dtype() == GgmlDType::Q8_0 {
+            let mut blocks = vec![Q8Block { qs: [[0; 64]; 8] }; tiles * kb];
+            let mut d = vec![[0u16; TILE]; tiles * kb];
+            for row in 0..out {
+                let (ti, r) = (row / TILE, row % TILE);
+                for b in 0..kb {
+                    let s = src(row, b);
+                    d[ti * kb + b][r] = u16::from_le_bytes([s[0], s[1]]);
+                    for (i, &byte) in s[2..].iter().enumerate() {
+                        blocks[ti * kb + b].qs[i / 4][4 * r + i % 4] = byte;
+                    }
+                }
+            }
+            Kind::Q8 { blocks, d }
+        } else {
+            let mut blocks = vec![Q4Block { qs: [[0; 64]; 4] }; tiles * kb];
+            let mut dm = vec![[0u16; 2 * TILE]; tiles * kb];
+            for row in 0..out {
+                let (ti, r) = (row / TILE, row % TILE);
+                for b in 0..kb {
+                    let s = src(row, b);
+                    dm[ti * kb + b][r] = u16::from_le_bytes([s[0], s[1]]);
+                    dm[ti * kb + b][TILE + r] = u16::from_le_bytes([s[2], s[3]]);
+                    // GGUF Q4_1: value j (< 16) is the low nibble of byte j, value j + 16 the
+                    // high nibble.
+                    let q = |i: usize| {
+                        let byte = s[4 + i % 16];
+                        if i < 16 { byte & 0x0F } else { byte >> 4 }
+                    };
+                    for h in 0..4 {
+                        for j in 0..4 {
+                            blocks[ti * kb + b].qs[h][4 * r + j] =
+                                q(4 * h + j) | (q(4 * (h + 4) + j) << 4);
+                        }
+                    }
+                }
+            }
+            Kind::Q4 { blocks, dm }
+        };
+        Ok(Some(Self {
+            out,
+            inp,
+            kind,
+            simd,
+        }))
+    }
+
+    /// Several projections of the same input stacked as one (their rows in order), when each
+    /// but the last fills whole tiles and all are the same kind and width; else `None`.
+    pub fn stack(parts: &[&Tiles]) -> Option<Self> {
+        let first = parts.first()?;
+        let inp = first.inp;
+        let mut out = 0;
+        let mut kind = match &first.kind {
+            Kind::Q8 { .. } => Kind::Q8 {
+                blocks: Vec::new(),
+                d: Vec::new(),
+            },
+            Kind::Q4 { .. } => Kind::Q4 {
+                blocks: Vec::new(),
+                dm: Vec::new(),
+            },
+        };
+        for (i, p) in parts.iter().enumerate() {
+            if p.inp != inp || (i + 1 < parts.len() && p.out % TILE != 0) {
+                return None;
+            }
+            match (&mut kind, &p.kind) {
+                (Kind::Q8 { blocks, d }, Kind::Q8 { blocks: b2, d: d2 }) => {
+                    blocks.extend_from_slice(b2);
+                    d.extend_from_slice(d2);
+                }
+                (
+                    Kind::Q4 { blocks, dm },
+                    Kind::Q4 {
+                        blocks: b2,
+                        dm: dm2,
+                    },
+                ) => {
+                    blocks.extend_from_slice(b2);
+                    dm.extend_from_slice(dm2);
+                }
+                _ => return None,
+            }
+            out += p.out;
+        }
+        Some(Self {
+            out,
+            inp,
+            kind,
+            simd: first.simd,
+        })
+    }
+
+    /// `(out, in)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+
+    /// `x · Wᵀ` for `x` (rows ≤ [`MAX_ROWS`], in) f32 on the CPU: (rows, out). Tiles are split
+    /// over candle's thread pool.
+    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        let (rows, inp) = x.dims2()?;
+        if inp != self.inp || rows == 0 || rows > MAX_ROWS {
+            candle_core::bail!(
+                "tiled quantized matmul: input {:?} against a ({}, {}) weight (at most {MAX_ROWS} rows)",
+                x.dims(),
+                self.out,
+                self.inp
+            );
+        }
+        let xv = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let acts = Acts::quantize(&xv);
+        let kb = inp / BLOCK;
+        let tiles = self.out.div_ceil(TILE);
+        // Tile-major result: [tile][row][16].
+        let mut yt = vec![0f32; tiles * rows * TILE];
+        {
+            let chunks: Vec<Mutex<&mut [f32]>> =
+                yt.chunks_mut(rows * TILE).map(Mutex::new).collect();
+            let item = |t: usize| {
+                let mut acc = [[0f32; TILE]; MAX_ROWS];
+                self.tile(t * kb..(t + 1) * kb, &acts, &mut acc[..rows]);
+                if let Ok(mut dst) = chunks[t].lock() {
+                    for (r, a) in acc[..rows].iter().enumerate() {
+                        dst[r * TILE..(r + 1) * TILE].copy_from_slice(a);
+                    }
+                }
+            };
+            if tiles * kb < 64 {
+                (0..tiles).for_each(item);
+            } else {
+                candle_core::utils::barrier_pool()
+                    .execute_chunked(tiles, |range| range.for_each(item));
+            }
+        }
+        let mut y = vec![0f32; rows * self.out];
+        for (t, chunk) in yt.chunks_exact(rows * TILE).enumerate() {
+            let o0 = t * TILE;
+            let n = TILE.min(self.out - o0);
+            for r in 0..rows {
+                y[r * self.out + o0..r * self.out + o0 + n]
+                    .copy_from_slice(&chunk[r * TILE..r * TILE + n]);
+            }
+        }
+        Tensor::from_vec(y, (rows, self.out), x.device())
+    }
+
+    /// One tile (its blocks `range`) against every input row; rows in passes of at most 4
+    /// (register pressure), each row by the same arithmetic as alone.
+    fn tile(&self, range: std::ops::Range<usize>, acts: &Acts, out: &mut [[f32; TILE]]) {
+        let kb = range.len();
+        let mut row0 = 0;
+        while row0 < out.len() {
+            let n = (out.len() - row0).min(4);
+            let o = &mut out[row0..row0 + n];
+            let a = acts.rows(row0, kb);
+            match (&self.kind, n) {
+                (Kind::Q8 { blocks, d }, 1) => {
+                    self.q8::<1>(&blocks[range.clone()], &d[range.clone()], a, o)
+                }
+                (Kind::Q8 { blocks, d }, 2) => {
+                    self.q8::<2>(&blocks[range.clone()], &d[range.clone()], a, o)
+                }
+                (Kind::Q8 { blocks, d }, 3) => {
+                    self.q8::<3>(&blocks[range.clone()], &d[range.clone()], a, o)
+                }
+                (Kind::Q8 { blocks, d }, _) => {
+                    self.q8::<4>(&blocks[range.clone()], &d[range.clone()], a, o)
+                }
+                (Kind::Q4 { blocks, dm }, 1) => {
+                    self.q4::<1>(&blocks[range.clone()], &dm[range.clone()], a, o)
+                }
+                (Kind::Q4 { blocks, dm }, 2) => {
+                    self.q4::<2>(&blocks[range.clone()], &dm[range.clone()], a, o)
+                }
+                (Kind::Q4 { blocks, dm }, 3) => {
+                    self.q4::<3>(&blocks[range.clone()], &dm[range.clone()], a, o)
+                }
+                (Kind::Q4 { blocks, dm }, _) => {
+                    self.q4::<4>(&blocks[range.clone()], &dm[range.clone()], a, o)
+                }
+            }
+            row0 += n;
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q8<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[[u16; TILE]],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m256i, __m512, __m512i};
+        let Simd { f, bw } = self.simd;
+        let ones = f._mm512_set1_epi16(1);
+        let zero = f._mm512_setzero_si512();
+        let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
+        for (b, blk) in blocks.iter().enumerate() {
+            let mut acc: [__m512i; R] = [zero; R];
+            for g in 0..8 {
+                let w: __m512i = bytemuck::cast(blk.qs[g]);
+                let mag = bw._mm512_abs_epi8(w);
+                let neg = bw._mm512_movepi8_mask(w);
+                for r in 0..R {
+                    let a = f._mm512_set1_epi32(acts.q(r, b)[g]);
+                    let a = bw._mm512_mask_sub_epi8(a, neg, zero, a);
+                    let p = bw._mm512_madd_epi16(bw._mm512_maddubs_epi16(mag, a), ones);
+                    acc[r] = f._mm512_add_epi32(acc[r], p);
+                }
+            }
+            let wd = f._mm512_cvtph_ps(bytemuck::cast::<[u16; TILE], __m256i>(d[b]));
+            for r in 0..R {
+                let scale = f._mm512_mul_ps(wd, f._mm512_set1_ps(acts.d(r, b)));
+                facc[r] = f._mm512_fmadd_ps(f._mm512_cvtepi32_ps(acc[r]), scale, facc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = bytemuck::cast(facc[r]);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q4<const R: usize>(
+        &self,
+        blocks: &[Q4Block],
+        dm: &[[u16; 2 * TILE]],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m256i, __m512, __m512i};
+        let Simd { f, bw } = self.simd;
+        let ones = f._mm512_set1_epi16(1);
+        let low = f._mm512_set1_epi8(0x0F);
+        let zero = f._mm512_setzero_si512();
+        let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
+        for (b, blk) in blocks.iter().enumerate() {
+            // i16 lanes: at most 8 products of 15 · 127 each, no saturation.
+            let mut acc: [__m512i; R] = [zero; R];
+            for h in 0..4 {
+                let w: __m512i = bytemuck::cast(blk.qs[h]);
+                let lo = f._mm512_and_si512(w, low);
+                let hi = f._mm512_and_si512(bw._mm512_srli_epi16::<4>(w), low);
+                for r in 0..R {
+                    let q = acts.q(r, b);
+                    let plo = bw._mm512_maddubs_epi16(lo, f._mm512_set1_epi32(q[h]));
+                    let phi = bw._mm512_maddubs_epi16(hi, f._mm512_set1_epi32(q[h + 4]));
+                    acc[r] = bw._mm512_add_epi16(acc[r], bw._mm512_add_epi16(plo, phi));
+                }
+            }
+            let [wd, wm]: [[u16; TILE]; 2] = bytemuck::cast(dm[b]);
+            let wd = f._mm512_cvtph_ps(bytemuck::cast::<[u16; TILE], __m256i>(wd));
+            let wm = f._mm512_cvtph_ps(bytemuck::cast::<[u16; TILE], __m256i>(wm));
+            for r in 0..R {
+                let sum = f._mm512_cvtepi32_ps(bw._mm512_madd_epi16(acc[r], ones));
+                let scale = f._mm512_mul_ps(wd, f._mm512_set1_ps(acts.d(r, b)));
+                facc[r] = f._mm512_fmadd_ps(sum, scale, facc[r]);
+                facc[r] = f._mm512_fmadd_ps(wm, f._mm512_set1_ps(acts.s(r, b)), facc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = bytemuck::cast(facc[r]);
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q8<const R: usize>(
+        &self,
+        _: &[Q8Block],
+        _: &[[u16; TILE]],
+        _: ActRows<'_>,
+        _: &mut [[f32; TILE]],
+    ) {
+        // Unreachable: `Tiles::new` returns `None` off x86_64.
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q4<const R: usize>(
+        &self,
+        _: &[Q4Block],
+        _: &[[u16; 2 * TILE]],
+        _: ActRows<'_>,
+        _: &mut [[f32; TILE]],
+    ) {
+        // Unreachable: `Tiles::new` returns `None` off x86_64.
+    }
+}
+
+/// Input rows quantized to Q8_0 as the kernels read them, per (row, block) in row-major order.
+struct Acts {
+    /// The block's 32 quantized values as 8 little-endian groups of 4 bytes.
+    q: Vec<[i32; 8]>,
+    /// The block scale (rounded through f16, as candle stores it).
+    d: Vec<f32>,
+    /// `d · Σ q` over the block (the Q4_1 offset term's factor).
+    s: Vec<f32>,
+}
+
+impl Acts {
+    /// Candle's `BlockQ8_0::from_float`: `d = amax / 127`, `q = round(x / d)`.
+    fn quantize(x: &[f32]) -> Self {
+        let n = x.len() / BLOCK;
+        let mut q = Vec::with_capacity(n);
+        let mut d = Vec::with_capacity(n);
+        let mut s = Vec::with_capacity(n);
+        for chunk in x.chunks_exact(BLOCK) {
+            let amax = chunk.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            let mut groups = [0i32; 8];
+            let mut sum = 0i32;
+            for (g, four) in chunk.chunks_exact(4).enumerate() {
+                let mut bytes = [0u8; 4];
+                for j in 0..4 {
+                    let v = (four[j] * id).round() as i8;
+                    sum += v as i32;
+                    bytes[j] = v as u8;
+                }
+                groups[g] = i32::from_le_bytes(bytes);
+            }
+            let scale = f16::from_f32(scale).to_f32();
+            q.push(groups);
+            d.push(scale);
+            s.push(scale * sum as f32);
+        }
+        Self { q, d, s }
+    }
+
+    /// The rows from `row0` on, `kb` blocks each.
+    fn rows(&self, row0: usize, kb: usize) -> ActRows<'_> {
+        ActRows {
+            acts: self,
+            start: row0 * kb,
+            kb,
+        }
+    }
+}
+
+/// A view of [`Acts`] from one row on.
+#[derive(Clone, Copy)]
+struct ActRows<'a> {
+    acts: &'a Acts,
+    start: usize,
+    kb: usize,
+}
+
+impl ActRows<'_> {
+    #[inline(always)]
+    fn q(&self, r: usize, b: usize) -> &[i32; 8] {
+        &self.acts.q[self.start + r * self.kb + b]
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, b: usize) -> f32 {
+        self.acts.d[self.start + r * self.kb + b]
+    }
+    #[inline(always)]
+    fn s(&self, r: usize, b: usize) -> f32 {
+        self.acts.s[self.start + r * self.kb + b]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Module;
+    use candle_core::quantized::QMatMul;
+
+    /// The weight's own dot product in f64: its stored blocks (scales through f16) against the
+    /// activations quantized as the kernels do, integer sums per block.
+    fn reference(qt: &QTensor, x: &[f32]) -> Vec<f64> {
+        let (out, inp) = qt.shape().dims2().unwrap();
+        let data = qt.data().unwrap();
+        let kb = inp / BLOCK;
+        let acts = Acts::quantize(x);
+        let bb = data.len() / (out * kb);
+        let h = |s: &[u8], i: usize| f16::from_le_bytes([s[i], s[i + 1]]).to_f32() as f64;
+        (0..out)
+            .map(|o| {
+                (0..kb)
+                    .map(|b| {
+                        let s = &data[(o * kb + b) * bb..(o * kb + b + 1) * bb];
+                        let qa: Vec<i64> = acts.q[b]
+                            .iter()
+                            .flat_map(|g| g.to_le_bytes().map(|v| v as i8 as i64))
+                            .collect();
+                        let da = acts.d[b] as f64;
+                        match qt.dtype() {
+                            GgmlDType::Q8_0 => {
+                                let isum: i64 = s[2..]
+                                    .iter()
+                                    .zip(&qa)
+                                    .map(|(&w, a)| w as i8 as i64 * a)
+                                    .sum();
+                                h(s, 0) * da * isum as f64
+                            }
+                            _ => (0..BLOCK)
+                                .map(|i| {
+                                    let byte = s[4 + i % 16];
+                                    let q = if i < 16 { byte & 15 } else { byte >> 4 } as f64;
+                                    (h(s, 0) * q + h(s, 2)) * da * qa[i] as f64
+                                })
+                                .sum(),
+                        }
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    fn quantized(out: usize, inp: usize, dtype: GgmlDType) -> QTensor {
+        let w = Tensor::randn(0f32, 1.0, (out, inp), &Device::Cpu).unwrap();
+        QTensor::quantize(&w, dtype).unwrap()
+    }
+
+    #[test]
+    fn tiles_equal_the_blocks_dot_product_for_every_row_count_and_a_ragged_tile() {
+        if !available() {
+            eprintln!("no AVX-512BW on this CPU: the tiled kernels are not used here");
+            return;
+        }
+        // 40 rows leave a partial last tile.
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            for (out, inp) in [(40, 576), (64, 1536), (16, 32)] {
+                let qt = quantized(out, inp, dtype);
+                let tiles = Tiles::new(&qt).unwrap().unwrap();
+                for rows in 1..=MAX_ROWS {
+                    let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+                    let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+                    let xs = x.to_vec2::<f32>().unwrap();
+                    for r in 0..rows {
+                        let want = reference(&qt, &xs[r]);
+                        for (a, b) in ours[r].iter().zip(&want) {
+                            // Only the f32 rounding and order of the block sums differ.
+                            let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
+                            assert!((*a as f64 - b).abs() <= tol, "{dtype:?} {a} vs {b}");
+                        }
+                        // Each row equals the same row alone, bit for bit.
+                        let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
+                        assert_eq!(alone.to_vec2::<f32>().unwrap()[0], ours[r]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8_tiles_match_candles_q8_kernel() {
+        if !available() {
+            return;
+        }
+        // 576 is not a multiple of 256: candle runs its Q8_0 × Q8_0 vec_dot (its VNNI path for
+        // multiples of 256 quantizes activations per 256 values instead).
+        let w = Tensor::randn(0f32, 1.0, (48, 576), &Device::Cpu).unwrap();
+        let tiles = Tiles::new(&QTensor::quantize(&w, GgmlDType::Q8_0).unwrap())
+            .unwrap()
+            .unwrap();
+        let qm = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap()).unwrap();
+        for rows in [1, 3, 8] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 576), &Device::Cpu).unwrap();
+            let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+            let theirs = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (a, b) in ours.iter().flatten().zip(theirs.iter().flatten()) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs candle {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn stacked_tiles_equal_the_parts_side_by_side() {
+        if !available() {
+            return;
+        }
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            let parts: Vec<Tiles> = [32, 16, 24]
+                .iter()
+                .map(|&o| Tiles::new(&quantized(o, 64, dtype)).unwrap().unwrap())
+                .collect();
+            let stacked = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
+            assert_eq!(stacked.dims(), (72, 64));
+            let x = Tensor::randn(0f32, 1.0, (2, 64), &Device::Cpu).unwrap();
+            let alone: Vec<Tensor> = parts.iter().map(|p| p.matmul(&x).unwrap()).collect();
+            let want = Tensor::cat(&alone, 1).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(stacked.matmul(&x).unwrap().to_vec2::<f32>().unwrap(), want);
+            // A part that does not fill its last tile can only come last.
+            let ragged = [&parts[2], &parts[0]];
+            assert!(Tiles::stack(&ragged).is_none());
+        }
+    }
+
+    #[test]
+    fn refuses_other_types_and_wrong_inputs() {
+        assert!(
+            Tiles::new(&quantized(16, 64, GgmlDType::Q4_0))
+                .unwrap()
+                .is_none()
+        );
+        if let Some(t) = Tiles::new(&quantized(16, 64, GgmlDType::Q8_0)).unwrap() {
+            let x =
+                Tensor::zeros((MAX_ROWS + 1, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+            assert!(
+                t.matmul(&x)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("at most 8 rows")
+            );
+            let x = Tensor::zeros((1, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+            assert!(t.matmul(&x).is_err());
+        }
+    }
+}
