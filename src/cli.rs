@@ -152,7 +152,9 @@ pub struct ModeArgs {
     #[arg(long, default_value_t = 0.3)]
     pub rehearsal_temperature: f64,
     /// What the actor commits after rehearsal: draft-unless-failure (keep the drafted call
-    /// unless its own branch predicted a failure) or reprompt (always ask again with the memory).
+    /// unless its own branch predicted a failure), reprompt (always ask again with the memory)
+    /// or best-branch (keep the draft unless it failed where another branch's different first
+    /// call succeeded; then commit that call; never ask again).
     #[arg(long, value_enum, default_value = "draft-unless-failure")]
     pub rehearsal_commit: RehearsalCommitArg,
 }
@@ -161,6 +163,7 @@ pub struct ModeArgs {
 pub enum RehearsalCommitArg {
     Reprompt,
     DraftUnlessFailure,
+    BestBranch,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]

@@ -42,6 +42,7 @@ pub fn rehearsal_tuning(m: &ModeArgs) -> Result<envace::engine::runner::Rehearsa
         crate::cli::RehearsalCommitArg::DraftUnlessFailure => {
             envace::engine::types::CommitRule::DraftUnlessFailure
         }
+        crate::cli::RehearsalCommitArg::BestBranch => envace::engine::types::CommitRule::BestBranch,
     };
     let k = |s: &str| -> Result<usize> {
         s.parse::<usize>()

@@ -391,6 +391,8 @@ struct Rehearsal {
     draft: (ActorTurn, Vec<String>),
     /// Parallel mode: pre-generated first steps of branches 1…N-1.
     first_steps: VecDeque<(Pending, usize, Generation)>,
+    /// Each branch's first actor turn, by branch index (for [`CommitRule::BestBranch`]).
+    first_turns: Vec<(usize, ActorTurn, Vec<String>)>,
     done: Vec<BranchSummary>,
 }
 
@@ -1259,6 +1261,7 @@ impl Engine {
             draft: (proposal.clone(), ids.clone()),
             proposal: Some((proposal, ids)),
             first_steps: VecDeque::new(),
+            first_turns: Vec::new(),
             done: Vec::new(),
         });
         if parallel_batch {
@@ -1371,11 +1374,14 @@ impl Engine {
 
     fn branch_step(
         &mut self,
-        r: Box<Rehearsal>,
+        mut r: Box<Rehearsal>,
         mut b: Box<Branch>,
         turn: ActorTurn,
         ids: Vec<String>,
     ) {
+        if b.depth == 0 && r.cfg.memory.commit == CommitRule::BestBranch {
+            r.first_turns.push((b.index, turn.clone(), ids.clone()));
+        }
         b.depth += 1;
         match &turn.action {
             ActorAction::Malformed => self.end_branch(r, &b, BranchEnd::ActorFormatError),
@@ -1578,10 +1584,31 @@ impl Engine {
             .iter()
             .find(|b| b.index == 0)
             .is_none_or(|b| matches!(b.prediction, Prediction::Failure { .. }));
-        if r.cfg.memory.commit == CommitRule::DraftUnlessFailure && !draft_failed {
-            // Commit the draft as proposed: the memory is on record, the actor is not asked
-            // again.
-            let (turn, ids) = r.draft;
+        let commit = match r.cfg.memory.commit {
+            CommitRule::Reprompt => None,
+            CommitRule::DraftUnlessFailure => (!draft_failed).then_some(r.draft),
+            CommitRule::BestBranch if !draft_failed => Some(r.draft),
+            CommitRule::BestBranch => {
+                let draft_calls = r.draft.0.calls().to_vec();
+                let succeeded = |i: usize| {
+                    r.done
+                        .iter()
+                        .any(|b| b.index == i && b.prediction == Prediction::Success)
+                };
+                let alternative = r.first_turns.iter().find(|(i, turn, _)| {
+                    *i != 0
+                        && succeeded(*i)
+                        && matches!(turn.action, ActorAction::Calls { .. })
+                        && turn.calls() != draft_calls.as_slice()
+                });
+                Some(match alternative {
+                    Some((_, turn, ids)) => (turn.clone(), ids.clone()),
+                    None => r.draft,
+                })
+            }
+        };
+        if let Some((turn, ids)) = commit {
+            // Commit without asking the actor again: the memory is on record.
             let calls = self.queue(&turn, &ids);
             let msg = assistant_message(&turn, &ids);
             self.persist(EventBody::Message {

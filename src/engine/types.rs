@@ -180,6 +180,12 @@ pub enum CommitRule {
     /// loses 23 (docs/REHEARSAL.md).
     #[default]
     DraftUnlessFailure,
+    /// Never ask again and never drop the call: keep the draft unless its own rehearsal
+    /// predicted a failure and another branch that made a different first call predicted
+    /// success; then commit that branch's first turn. A call every branch expects to fail is
+    /// still tried (tasks often want the attempt, then a reply to the user); a draft whose
+    /// rehearsal failed where a sibling's alternative succeeded (a mistyped id) is replaced.
+    BestBranch,
 }
 
 impl CommitRule {

@@ -1696,3 +1696,74 @@ fn histories_the_engine_could_not_have_played_are_refused() {
         .is_none()
     );
 }
+
+#[test]
+fn best_branch_commits_a_siblings_different_call_when_the_draft_failed() {
+    let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2));
+    p.memory.commit = CommitRule::BestBranch;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            // proposal, branch 1's first step (batched), each branch's imagined answer, then
+            // the real answer: the actor is never asked again with the memory.
+            .actor_owned(vec![
+                call_text("transfer", json!({"amount": 50})),
+                call_text("transfer", json!({"amount": 5})),
+                "imagined: refused".into(),
+                "imagined: paid".into(),
+                "Paid.".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"error": "insufficient funds"})),
+                result_text(json!({"ok": true})),
+            ]),
+    );
+    let actor = r.generates(GenRole::Actor);
+    assert_eq!(actor.len(), 5);
+    assert!(
+        !actor
+            .iter()
+            .flat_map(|g| &g.messages)
+            .any(|m| m.content.contains("Private rehearsal")),
+        "no memory prompt"
+    );
+    let calls = r.real_calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        calls[0].arguments,
+        json!({"amount": 5}),
+        "the call whose rehearsal succeeded"
+    );
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+#[test]
+fn best_branch_still_tries_the_draft_when_no_other_call_succeeded() {
+    let transfer = call_text("transfer", json!({"amount": 50}));
+    let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2));
+    p.memory.commit = CommitRule::BestBranch;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            // Both branches make the same call and imagine it refused: the task may well want
+            // the attempt (then a reply to the user), so the draft is tried, not dropped.
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer,
+                "imagined: refused".into(),
+                "imagined: refused".into(),
+                "Sorry, it was refused.".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"error": "insufficient funds"})),
+                result_text(json!({"error": "insufficient funds"})),
+            ]),
+    );
+    assert_eq!(r.generates(GenRole::Actor).len(), 5);
+    let calls = r.real_calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].arguments, json!({"amount": 50}), "the draft");
+    assert_eq!(r.outcome().end, EndReason::Answered);
+}
