@@ -151,11 +151,11 @@ pub struct ModeArgs {
     /// Sampling temperature of the imagined turns and simulations.
     #[arg(long, default_value_t = 0.3)]
     pub rehearsal_temperature: f64,
-    /// What the actor commits after rehearsal: draft-unless-failure (keep the drafted call
-    /// unless its own branch predicted a failure), reprompt (always ask again with the memory)
-    /// or best-branch (keep the draft unless it failed where another branch's different first
-    /// call succeeded; then commit that call; never ask again).
-    #[arg(long, value_enum, default_value = "draft-unless-failure")]
+    /// What the actor commits after rehearsal: best-branch (keep the draft unless it failed
+    /// where another branch's different first call succeeded, then commit that call; never ask
+    /// again), draft-unless-failure (keep the draft unless its own branch predicted a failure,
+    /// else ask again with the memory) or reprompt (always ask again with the memory).
+    #[arg(long, value_enum, default_value = "best-branch")]
     pub rehearsal_commit: RehearsalCommitArg,
 }
 

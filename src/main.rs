@@ -275,7 +275,7 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
             memory_placement: cli::MemoryPlacementArg::User,
             rehearsal_depth: "2".into(),
             rehearsal_temperature: 0.3,
-            rehearsal_commit: cli::RehearsalCommitArg::DraftUnlessFailure,
+            rehearsal_commit: cli::RehearsalCommitArg::BestBranch,
         },
         out: Some(out),
         json: false,
