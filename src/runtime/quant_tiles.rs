@@ -28,9 +28,10 @@
 //! bit for bit.
 //!
 //! The intrinsics come through `pulp`'s safe feature-token wrappers (this crate forbids
-//! `unsafe`); the tokens are checked at run time, and without AVX-512BW [`Tiles::new`] returns
-//! `None` and candle's kernels serve. The kernels inline into plain code only when the crate is
-//! built for the host CPU (`.cargo/config.toml`).
+//! `unsafe`); the tokens are checked at run time. The kernels inline into plain code only when
+//! AVX-512BW is enabled at compile time (`.cargo/config.toml` builds for the host CPU), so
+//! without it — at compile time or on the CPU — [`Tiles::new`] returns `None` and candle's
+//! kernels serve.
 
 // The kernels index several arrays by the same counters on purpose (register blocks).
 #![allow(clippy::needless_range_loop)]
@@ -110,6 +111,11 @@ struct Simd;
 
 #[cfg(target_arch = "x86_64")]
 fn simd() -> Option<Simd> {
+    // Built without AVX-512BW enabled at compile time (a portable build), the intrinsics would
+    // be function calls each: candle's runtime-dispatched kernels are faster then.
+    if !cfg!(all(target_feature = "avx512f", target_feature = "avx512bw")) {
+        return None;
+    }
     Some(Simd {
         f: pulp::core_arch::x86::Avx512f::try_new()?,
         bw: pulp::core_arch::x86::Avx512bw::try_new()?,
