@@ -76,8 +76,8 @@ pub enum Weight {
 
 /// The stacked projection several [`Linear`]s are parts of, if they are exactly that (in
 /// order, no gaps; adapters and biases are added per part afterwards).
-fn stacked(parts: &[&Linear]) -> Option<QuantRef> {
-    let mut fused: Option<QuantRef> = None;
+fn stacked<'a>(parts: &[&'a Linear]) -> Option<QuantRef<'a>> {
+    let mut fused: Option<QuantRef<'a>> = None;
     let mut next = 0;
     for l in parts {
         let Weight::Quant {
@@ -89,12 +89,12 @@ fn stacked(parts: &[&Linear]) -> Option<QuantRef> {
         else {
             return None;
         };
-        if *start != next || fused.as_ref().is_some_and(|f| !Arc::ptr_eq(&f.q, q)) {
+        if *start != next || fused.as_ref().is_some_and(|f| !Arc::ptr_eq(f.q, q)) {
             return None;
         }
         fused = Some(QuantRef {
-            q: q.clone(),
-            tiles: tiles.clone(),
+            q,
+            tiles: tiles.as_deref(),
         });
         next = start + len;
     }
@@ -102,12 +102,12 @@ fn stacked(parts: &[&Linear]) -> Option<QuantRef> {
 }
 
 /// A quantized weight and its tiled repacking, if any.
-struct QuantRef {
-    q: Arc<QMatMul>,
-    tiles: Option<Arc<super::quant_tiles::Tiles>>,
+struct QuantRef<'a> {
+    q: &'a Arc<QMatMul>,
+    tiles: Option<&'a super::quant_tiles::Tiles>,
 }
 
-impl QuantRef {
+impl QuantRef<'_> {
     /// `x2 · Wᵀ` for `x2` (rows, in): the tiled kernel for a few rows of f32 inference input,
     /// else candle's quantized matmul.
     fn forward(&self, x2: &Tensor) -> Result<Tensor> {
@@ -256,8 +256,8 @@ impl Linear {
                 Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
                 _ => {
                     let y = QuantRef {
-                        q: q.clone(),
-                        tiles: tiles.clone(),
+                        q,
+                        tiles: tiles.as_deref(),
                     }
                     .forward(&x2)?;
                     match part {

@@ -322,30 +322,24 @@ impl Tiles {
             let n = (out.len() - row0).min(4);
             let o = &mut out[row0..row0 + n];
             let a = acts.rows(row0, kb);
-            match (&self.kind, n) {
-                (Kind::Q8 { blocks, d }, 1) => {
-                    self.q8::<1>(&blocks[range.clone()], &d[range.clone()], a, o)
+            match &self.kind {
+                Kind::Q8 { blocks, d } => {
+                    let (w, d) = (&blocks[range.clone()], &d[range.clone()]);
+                    match n {
+                        1 => self.q8::<1>(w, d, a, o),
+                        2 => self.q8::<2>(w, d, a, o),
+                        3 => self.q8::<3>(w, d, a, o),
+                        _ => self.q8::<4>(w, d, a, o),
+                    }
                 }
-                (Kind::Q8 { blocks, d }, 2) => {
-                    self.q8::<2>(&blocks[range.clone()], &d[range.clone()], a, o)
-                }
-                (Kind::Q8 { blocks, d }, 3) => {
-                    self.q8::<3>(&blocks[range.clone()], &d[range.clone()], a, o)
-                }
-                (Kind::Q8 { blocks, d }, _) => {
-                    self.q8::<4>(&blocks[range.clone()], &d[range.clone()], a, o)
-                }
-                (Kind::Q4 { blocks, dm }, 1) => {
-                    self.q4::<1>(&blocks[range.clone()], &dm[range.clone()], a, o)
-                }
-                (Kind::Q4 { blocks, dm }, 2) => {
-                    self.q4::<2>(&blocks[range.clone()], &dm[range.clone()], a, o)
-                }
-                (Kind::Q4 { blocks, dm }, 3) => {
-                    self.q4::<3>(&blocks[range.clone()], &dm[range.clone()], a, o)
-                }
-                (Kind::Q4 { blocks, dm }, _) => {
-                    self.q4::<4>(&blocks[range.clone()], &dm[range.clone()], a, o)
+                Kind::Q4 { blocks, dm } => {
+                    let (w, dm) = (&blocks[range.clone()], &dm[range.clone()]);
+                    match n {
+                        1 => self.q4::<1>(w, dm, a, o),
+                        2 => self.q4::<2>(w, dm, a, o),
+                        3 => self.q4::<3>(w, dm, a, o),
+                        _ => self.q4::<4>(w, dm, a, o),
+                    }
                 }
             }
             row0 += n;
