@@ -1,7 +1,8 @@
 //! The fused training kernels (`runtime::fused`) against candle's slow differentiable ops: every
 //! op's forward and gradients on random inputs (RMSNorm, SwiGLU gate, both RoPE layouts, softmax
 //! with and without a causal mask, token log-probs and entropy), GQA decoders of each family end
-//! to end (loss and every weight's gradient), and AdamW steps. `with_kernels` switches per call,
+//! to end (loss and every weight's gradient; Llama and Qwen2 go through the hand-written training
+//! pass, `runtime::train_pass`), and AdamW steps. `with_kernels` switches per call,
 //! so one process compares both paths.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
@@ -11,6 +12,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use envace::runtime::config::Family;
 use envace::runtime::fixture::tiny_config;
 use envace::runtime::fused::{self, Kernels, with_kernels};
+use envace::runtime::train_pass;
 use envace::train::model::{Example, TrainableModel, masked_nll};
 use envace::train::optim::{AdamW, AdamWConfig};
 
@@ -225,17 +227,24 @@ fn batch(vocab: u32) -> Vec<Example> {
 }
 
 /// Loss and every weight's gradient of a GQA decoder, fused vs slow.
-fn decoder_grads_match(family: Family, interleaved: bool) {
+fn decoder_grads_match(family: Family, interleaved: bool, tied: bool) {
     let mut cfg = tiny_config(family);
     cfg.rope_interleaved = interleaved;
+    cfg.tie_word_embeddings = tied;
     assert!(cfg.num_attention_heads > cfg.num_key_value_heads, "GQA");
     let model = TrainableModel::init(&cfg, 5, &Device::Cpu).unwrap();
+    // Without q/k norms the fused side is the hand-written training pass (`train_pass`); with
+    // them, candle's autograd over the fused ops.
+    assert_eq!(
+        with_kernels(Kernels::Fused, || train_pass::applies(&model.decoder)),
+        !cfg.qk_norm
+    );
     let ex = batch(cfg.vocab_size as u32);
     let refs: Vec<&Example> = ex.iter().collect();
     let run = |k| {
         with_kernels(k, || {
             let (loss, _) = masked_nll(&model.decoder, &refs).unwrap();
-            let g = loss.backward().unwrap();
+            let g = train_pass::backward(&loss).unwrap();
             (loss.to_scalar::<f32>().unwrap(), g)
         })
     };
@@ -268,17 +277,22 @@ fn decoder_grads_match(family: Family, interleaved: bool) {
 
 #[test]
 fn qwen2_decoder_gradients_fused_equal_slow() {
-    decoder_grads_match(Family::Qwen2, false);
+    decoder_grads_match(Family::Qwen2, false, false);
 }
 
 #[test]
 fn llama_decoder_with_interleaved_rope_gradients_fused_equal_slow() {
-    decoder_grads_match(Family::Llama, true);
+    decoder_grads_match(Family::Llama, true, false);
 }
 
 #[test]
 fn qwen3_decoder_with_qk_norm_gradients_fused_equal_slow() {
-    decoder_grads_match(Family::Qwen3, false);
+    decoder_grads_match(Family::Qwen3, false, true);
+}
+
+#[test]
+fn llama_decoder_with_tied_embeddings_gradients_fused_equal_slow() {
+    decoder_grads_match(Family::Llama, false, true);
 }
 
 #[test]
@@ -302,7 +316,7 @@ fn adamw_steps_fused_equal_slow_and_moments_survive_a_switch() {
         for k in sched {
             with_kernels(k, || {
                 let (loss, _) = masked_nll(&model.decoder, &refs).unwrap();
-                let g = loss.backward().unwrap();
+                let g = train_pass::backward(&loss).unwrap();
                 norms.push(opt.grad_norm(&g).unwrap());
                 opt.step(&g, 1e-2, 0.5).unwrap();
             });

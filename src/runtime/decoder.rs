@@ -301,6 +301,16 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// The (cos, sin) tables, (max positions, head_dim / 2) each.
+    pub fn tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
+    /// Whether pairs (2i, 2i+1) rotate together (else (i, i + d/2)).
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
     pub fn new(cfg: &DecoderConfig, dtype: DType, device: &Device) -> Result<Self> {
         let inv = cfg.rope_inv_freq();
         let n = inv.len();
@@ -523,6 +533,20 @@ impl Decoder {
             LogitsAt::All => h,
         };
         self.lm_head.forward(&h)?.to_dtype(DType::F32)
+    }
+
+    /// Training forward of `ids` (b, l) from position 0 without a cache: logits (b, l, vocab)
+    /// at every position, differentiable. Rows are right-padded (causal attention needs no pad
+    /// mask then). Dense f32 CPU models run [`super::train_pass`] (a hand-written backward:
+    /// differentiate the loss with [`super::train_pass::backward`]); anything it does not cover
+    /// runs [`Decoder::forward`] with [`Pass::Train`] through candle's autograd, which computes
+    /// the same values.
+    pub fn forward_train(&self, ids: &Tensor) -> Result<Tensor> {
+        if super::train_pass::applies(self) {
+            return super::train_pass::forward(self, ids);
+        }
+        let mut cache = self.new_cache();
+        self.forward(ids, &mut cache, Pass::Train, LogitsAt::All)
     }
 
     /// Final hidden states (b, l, hidden) after the last norm.

@@ -94,7 +94,7 @@ fn min_rows(d: usize) -> usize {
 }
 
 /// The contiguous f32 data behind a custom op's input.
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
+pub(crate) fn f32s<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
     let data = s.as_slice::<f32>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
@@ -155,7 +155,7 @@ where
 
 /// Σ aᵢbᵢ with eight independent accumulators (so that it vectorises).
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ac

@@ -19,6 +19,8 @@ pub mod model;
 pub mod quant_tiles;
 pub mod sampler;
 pub mod tokenizer;
+pub mod train_attention;
+pub mod train_pass;
 
 pub use backend::{
     CancelToken, FinishReason, Generation, LanguageModel, ModelInfo, RuntimeError, SamplingParams,

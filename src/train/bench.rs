@@ -176,7 +176,7 @@ pub fn run(
         let t = Instant::now();
         let (loss, _) = masked_nll(&model.decoder, &refs)?;
         let t_fwd = t.elapsed().as_secs_f64();
-        let grads = loss.backward()?;
+        let grads = crate::runtime::train_pass::backward(&loss)?;
         let t_bwd = t.elapsed().as_secs_f64();
         // As the trainers do: the gradient norm (clipping, metrics), then the update.
         let _ = opt.grad_norm(&grads)?;

@@ -27,7 +27,7 @@ use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
 use crate::env::tasks::{Split, Task, list_tasks};
 use crate::runtime::chat_template::ChatTemplate;
-use crate::runtime::decoder::{Decoder, LogitsAt, Pass};
+use crate::runtime::decoder::Decoder;
 use crate::runtime::{CancelToken, LocalModel};
 use crate::session::schema::{EventRecord, NewEvent};
 use crate::session::{
@@ -233,8 +233,7 @@ fn policy_terms(
     let (_, t) = ids.dims2()?;
     let inp = ids.narrow(1, 0, t - 1)?;
     let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
-    let mut cache = decoder.new_cache();
-    let logits = decoder.forward(&inp, &mut cache, Pass::Train, LogitsAt::All)?;
+    let logits = decoder.forward_train(&inp)?;
     crate::runtime::fused::token_logprobs_entropy(&logits, &tgt, entropy)
 }
 
@@ -610,7 +609,9 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                     let (nll, n) = super::model::masked_nll(&model.decoder, &batch)?;
                     grounding_nll = Some(nll.to_scalar::<f32>()? as f64);
                     trained_tokens += n as usize;
-                    acc = Some((nll * cfg.grounding_coef)?.backward()?);
+                    acc = Some(crate::runtime::train_pass::backward(
+                        &(nll * cfg.grounding_coef)?,
+                    )?);
                 }
                 let mut start = 0;
                 while start < active.len() {
@@ -634,7 +635,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                         clipped += ml.clipped;
                     }
                     trained_tokens += toks;
-                    let grads = ml.loss.backward()?;
+                    let grads = crate::runtime::train_pass::backward(&ml.loss)?;
                     acc = Some(match acc {
                         None => grads,
                         Some(mut a) => {

@@ -11,7 +11,7 @@ use candle_nn::VarMap;
 
 use crate::runtime::RuntimeError;
 use crate::runtime::config::DecoderConfig;
-use crate::runtime::decoder::{Decoder, LogitsAt, Pass};
+use crate::runtime::decoder::Decoder;
 use crate::runtime::fixture::random_weights;
 use crate::runtime::fused;
 use crate::runtime::loader::{
@@ -216,8 +216,7 @@ pub fn token_logprobs(decoder: &Decoder, ids: &Tensor) -> candle_core::Result<Te
     let (_, t) = ids.dims2()?;
     let inp = ids.narrow(1, 0, t - 1)?;
     let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
-    let mut cache = decoder.new_cache();
-    let logits = decoder.forward(&inp, &mut cache, Pass::Train, LogitsAt::All)?;
+    let logits = decoder.forward_train(&inp)?;
     fused::token_logprobs(&logits, &tgt)
 }
 

@@ -150,7 +150,7 @@ pub fn run_sft(
         let idx = batch_indices(&lengths, cfg.batch_size, cfg.seed, step);
         let batch: Vec<&Example> = idx.iter().map(|&i| &examples[i]).collect();
         let (loss, n) = masked_nll(&model.decoder, &batch)?;
-        let grads = loss.backward()?;
+        let grads = crate::runtime::train_pass::backward(&loss)?;
         let gn = opt.grad_norm(&grads)?;
         let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip {
             cfg.grad_clip / gn
