@@ -333,6 +333,36 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
 // ---------------------------------------------------------------------------------------------
 // RoPE: rotate pairs (i, i + d/2) (`interleaved: false`) or (2i, 2i + 1) by position angles.
 
+/// Rotate one head row `x` (d values) of a position with that position's `c`/`s` (d/2 each)
+/// into `o`: pairs (2i, 2i+1) when `interleaved`, else (i, i + d/2); `sign` −1 rotates back (the
+/// backward of a rotation is its transpose).
+#[inline]
+pub(crate) fn rotate_row(
+    o: &mut [f32],
+    x: &[f32],
+    c: &[f32],
+    s: &[f32],
+    interleaved: bool,
+    sign: f32,
+) {
+    let h = x.len() / 2;
+    if interleaved {
+        for (((o, x), &c), &s) in o.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s) {
+            let s = s * sign;
+            o[0] = x[0] * c - x[1] * s;
+            o[1] = x[0] * s + x[1] * c;
+        }
+    } else {
+        let (o0, o1) = o.split_at_mut(h);
+        let (x0, x1) = x.split_at(h);
+        for i in 0..h {
+            let s = s[i] * sign;
+            o0[i] = x0[i] * c[i] - x1[i] * s;
+            o1[i] = x1[i] * c[i] + x0[i] * s;
+        }
+    }
+}
+
 struct RopeOp {
     interleaved: bool,
     /// Rotate by −θ: the backward of a rotation is its transpose.
@@ -375,23 +405,7 @@ impl CustomOp3 for RopeOp {
             for (t, (o, x)) in o.chunks_mut(d).zip(x.chunks(d)).enumerate() {
                 let c = &cos[t * h..(t + 1) * h];
                 let s = &sin[t * h..(t + 1) * h];
-                if interleaved {
-                    for (((o, x), &c), &s) in
-                        o.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s)
-                    {
-                        let s = s * sign;
-                        o[0] = x[0] * c - x[1] * s;
-                        o[1] = x[0] * s + x[1] * c;
-                    }
-                } else {
-                    let (o0, o1) = o.split_at_mut(h);
-                    let (x0, x1) = x.split_at(h);
-                    for i in 0..h {
-                        let s = s[i] * sign;
-                        o0[i] = x0[i] * c[i] - x1[i] * s;
-                        o1[i] = x1[i] * c[i] + x0[i] * s;
-                    }
-                }
+                rotate_row(o, x, c, s, interleaved, sign);
             }
         };
         rows1(&mut out, x, l * d, rotate);

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use super::fused::dot;
+use super::fused::{dot, rotate_row as rotate};
 
 // ---------------------------------------------------------------------------------------------
 // Causal attention with RoPE and GQA
@@ -36,27 +36,6 @@ pub(crate) struct AttnOp {
     /// cos/sin of positions 0..T, (T, d/2) each, row-major.
     pub(crate) cos: Vec<f32>,
     pub(crate) sin: Vec<f32>,
-}
-
-/// Rotate one head row `x` of position `t` into `o` (`sign` −1: the inverse rotation).
-#[inline]
-fn rotate(o: &mut [f32], x: &[f32], c: &[f32], s: &[f32], interleaved: bool, sign: f32) {
-    let h = x.len() / 2;
-    if interleaved {
-        for (((o, x), &c), &s) in o.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s) {
-            let s = s * sign;
-            o[0] = x[0] * c - x[1] * s;
-            o[1] = x[0] * s + x[1] * c;
-        }
-    } else {
-        let (o0, o1) = o.split_at_mut(h);
-        let (x0, x1) = x.split_at(h);
-        for i in 0..h {
-            let s = s[i] * sign;
-            o0[i] = x0[i] * c[i] - x1[i] * s;
-            o1[i] = x1[i] * c[i] + x0[i] * s;
-        }
-    }
 }
 
 #[inline]
@@ -138,6 +117,13 @@ fn scatter(dst: &mut [f32], width: usize, t: usize, d: usize, b: usize, head: us
 }
 
 impl AttnOp {
+    /// (shape, head_dim, query heads per kv head, q row width, k/v row width).
+    fn widths(&self) -> (AttnShape, usize, usize, usize, usize) {
+        let s = self.shape;
+        let d = s.head_dim;
+        (s, d, s.heads / s.kv_heads, s.heads * d, s.kv_heads * d)
+    }
+
     fn geometry(&self, t: usize) -> Geometry<'_> {
         Geometry {
             op: self,
@@ -155,9 +141,7 @@ impl AttnOp {
         b: usize,
         t: usize,
     ) -> Vec<f32> {
-        let s = self.shape;
-        let (d, groups) = (s.head_dim, s.heads / s.kv_heads);
-        let qw = s.heads * d;
+        let (s, d, groups, qw, _) = self.widths();
         let parts: Vec<Vec<f32>> = (0..b * s.kv_heads)
             .into_par_iter()
             .map(|task| self.forward_task(q, k, v, task / s.kv_heads, task % s.kv_heads, t))
@@ -183,9 +167,7 @@ impl AttnOp {
         b: usize,
         t: usize,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let s = self.shape;
-        let (d, groups) = (s.head_dim, s.heads / s.kv_heads);
-        let (qw, kw) = (s.heads * d, s.kv_heads * d);
+        let (s, d, groups, qw, kw) = self.widths();
         let parts: Vec<_> = (0..b * s.kv_heads)
             .into_par_iter()
             .map(|task| self.backward_task(qs, ks, vs, gs, task / s.kv_heads, task % s.kv_heads, t))
@@ -214,9 +196,7 @@ impl AttnOp {
         kvh: usize,
         t: usize,
     ) -> Vec<f32> {
-        let s = self.shape;
-        let (d, groups) = (s.head_dim, s.heads / s.kv_heads);
-        let (qw, kw) = (s.heads * d, s.kv_heads * d);
+        let (_, d, groups, qw, kw) = self.widths();
         let g = self.geometry(t);
         let kr = g.gather(k, kw, b, kvh, true);
         let vt = g.gather(v, kw, b, kvh, false);
@@ -247,9 +227,7 @@ impl AttnOp {
         kvh: usize,
         t: usize,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let s = self.shape;
-        let (d, groups) = (s.head_dim, s.heads / s.kv_heads);
-        let (qw, kw) = (s.heads * d, s.kv_heads * d);
+        let (_, d, groups, qw, kw) = self.widths();
         let g = self.geometry(t);
         let kr = g.gather(k, kw, b, kvh, true);
         let vt = g.gather(v, kw, b, kvh, false);
