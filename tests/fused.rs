@@ -337,3 +337,36 @@ fn adamw_steps_fused_equal_slow_and_moments_survive_a_switch() {
         }
     }
 }
+
+/// The training pass's tapes travel with their logits: a plain `loss.backward()` (which leaves
+/// the decoder's gradients with the tape's collector) does not leak into the next
+/// `train_pass::backward`, and that one gives exactly a fresh step's gradients.
+#[test]
+fn a_plain_backward_does_not_leak_into_the_next_training_backward() {
+    let cfg = tiny_config(Family::Llama);
+    let model = TrainableModel::init(&cfg, 7, &Device::Cpu).unwrap();
+    let ex = batch(cfg.vocab_size as u32);
+    let refs: Vec<&Example> = ex.iter().collect();
+    let step = || {
+        let (loss, _) = masked_nll(&model.decoder, &refs).unwrap();
+        train_pass::backward(&loss).unwrap()
+    };
+    let fresh = step();
+    let (stray, _) = masked_nll(&model.decoder, &refs).unwrap();
+    let plain = stray.backward().unwrap();
+    let (name, v) = &model.named_vars()[0];
+    assert!(
+        plain.get(v.as_tensor()).is_none(),
+        "{name}: plain backward reached the decoder"
+    );
+    // A forward that is never differentiated is simply dropped with its loss.
+    drop(masked_nll(&model.decoder, &refs).unwrap());
+    let again = step();
+    for (name, v) in model.named_vars() {
+        let (a, b) = (
+            fresh.get(v.as_tensor()).unwrap(),
+            again.get(v.as_tensor()).unwrap(),
+        );
+        assert_close(&format!("{name} after a stray backward"), b, a, 1e-6);
+    }
+}

@@ -10,13 +10,16 @@
 //! attention kernels of [`super::train_attention`], and one rayon pass per norm, gate and residual,
 //! forward and back.
 //!
-//! How it plugs into candle: [`forward`] returns the logits as a fresh `Var` (a leaf) and files
-//! its tape in a per-thread list; the loss is built on the logits with ordinary candle ops, and
-//! [`backward`] runs candle's backward for that small graph, then each filed tape's backward
-//! with its logits' gradient, inserting the parameters' gradients into the same `GradStore`
-//! (summed where a tensor is used twice, as tied embeddings are). A trainer must therefore call
-//! [`backward`] instead of `Tensor::backward` — the decoder's parameters get no gradient
-//! otherwise (tests compare every parameter's gradient with the autograd path).
+//! How it plugs into candle: [`forward`] returns the logits as the output of one custom op
+//! ([`TapeOp`]) on a fresh one-element `Var`; the op owns the tape, so the tape lives exactly as
+//! long as the logits' graph (a forward that is only looked at frees its activations with its
+//! loss). The loss is built on the logits with ordinary candle ops; during candle's backward the
+//! op receives the logits' gradient, runs the tape's backward and leaves the parameters'
+//! gradients in a per-thread collector, which [`backward`] (cleared before, drained after
+//! `loss.backward()`) inserts into the same `GradStore`, summed where a tensor is used twice (tied
+//! embeddings). A trainer must therefore call [`backward`] instead of `Tensor::backward` — the
+//! decoder's parameters get no gradient otherwise (tests compare every parameter's gradient with
+//! the autograd path).
 //!
 //! What it covers: dense f32 weights on the CPU (Llama and Qwen2 layouts, biases, GQA, both RoPE
 //! layouts, tied embeddings, LoRA adapters), rows right-padded from position 0. Anything else
@@ -25,10 +28,11 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Layout, Storage, Tensor, TensorId, Var, bail};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor, TensorId, Var, bail};
 use rayon::prelude::*;
 
 use super::decoder::{Decoder, Linear, RmsNorm, Weight};
@@ -37,12 +41,9 @@ use super::train_attention::{AttnOp, AttnShape};
 
 type Result<T> = candle_core::Result<T>;
 
-/// At most this many tapes wait for a [`backward`] per thread; older ones are dropped (a forward
-/// whose loss is only looked at, never differentiated, must not hold its activations forever).
-const MAX_PENDING: usize = 64;
-
 thread_local! {
-    static PENDING: RefCell<Vec<Tape>> = const { RefCell::new(Vec::new()) };
+    /// Parameter gradients the tapes produced during the running `loss.backward()`.
+    static COLLECTED: RefCell<Grads> = RefCell::new(Grads::default());
 }
 
 /// Whether [`forward`] can run `decoder`: the fused kernels selected, dense contiguous f32 CPU
@@ -473,9 +474,7 @@ struct LayerTape {
 }
 
 /// One forward's saved activations, waiting for its logits' gradient.
-pub struct Tape {
-    /// The logits `Var` the loss was built on.
-    logits: Tensor,
+struct Tape {
     decoder: Decoder,
     ids: Vec<u32>,
     b: usize,
@@ -488,8 +487,9 @@ pub struct Tape {
     lm: LinSaved,
 }
 
-/// Forward `ids` (b, t) from position 0: logits (b, t, vocab) as a fresh `Var`. When any
-/// parameter is a `Var`, the tape is filed for [`backward`]. Callers check [`applies`] first.
+/// Forward `ids` (b, t) from position 0: logits (b, t, vocab). When any parameter is a `Var`,
+/// the logits carry the tape for [`backward`]; otherwise they are a plain tensor. Callers check
+/// [`applies`] first.
 pub fn forward(decoder: &Decoder, ids: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
     let cfg = &decoder.cfg;
@@ -572,31 +572,60 @@ pub fn forward(decoder: &Decoder, ids: &Tensor) -> Result<Tensor> {
     }
     let (xn_f, rstd_f) = rms_fwd(&decoder.norm, &x)?;
     let (logits, lm) = linear_fwd(&decoder.lm_head, &xn_f)?;
-    let v = logits.cols;
-    let logits = Var::from_vec(logits.into_vec(), (b, t, v), &decoder.device)?.into_inner();
-    if any_variable(decoder) {
-        let tape = Tape {
-            logits: logits.clone(),
-            decoder: decoder.clone(),
-            ids: ids_v,
-            b,
-            t,
-            attn,
-            layers,
-            x_out: x,
-            rstd_f,
-            xn_f,
-            lm,
-        };
-        PENDING.with(|p| {
-            let mut p = p.borrow_mut();
-            if p.len() >= MAX_PENDING {
-                p.remove(0);
-            }
-            p.push(tape);
-        });
+    let (v, data) = (logits.cols, logits.into_vec());
+    if !any_variable(decoder) {
+        return Tensor::from_vec(data, (b, t, v), &decoder.device);
     }
-    Ok(logits)
+    let tape = Tape {
+        decoder: decoder.clone(),
+        ids: ids_v,
+        b,
+        t,
+        attn,
+        layers,
+        x_out: x,
+        rstd_f,
+        xn_f,
+        lm,
+    };
+    let anchor = Var::zeros(1, candle_core::DType::F32, &decoder.device)?;
+    anchor.as_tensor().apply_op1(TapeOp {
+        logits: Mutex::new(Some(data)),
+        shape: Shape::from((b, t, v)),
+        tape: Mutex::new(Some(tape)),
+    })
+}
+
+/// The logits as a graph node that owns its tape: forward hands over the logits computed by
+/// [`forward`]; backward runs the tape with the logits' gradient (see the module header).
+struct TapeOp {
+    logits: Mutex<Option<Vec<f32>>>,
+    shape: Shape,
+    tape: Mutex<Option<Tape>>,
+}
+
+impl CustomOp1 for TapeOp {
+    fn name(&self) -> &'static str {
+        "envace-train-pass"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let data = self.logits.lock().ok().and_then(|mut l| l.take());
+        match data {
+            Some(d) => Ok((CpuStorage::F32(d), self.shape.clone())),
+            None => bail!("train pass: the logits were already handed over"),
+        }
+    }
+
+    fn bwd(&self, _anchor: &Tensor, _logits: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        // Once per tape: a second backward through the same graph has no activations left.
+        let tape = self.tape.lock().ok().and_then(|mut t| t.take());
+        let Some(tape) = tape else {
+            bail!("train pass: this forward was already differentiated (run forward again)");
+        };
+        COLLECTED.with(|c| tape.backward(g, &mut c.borrow_mut()))?;
+        Ok(None)
+    }
 }
 
 fn any_variable(d: &Decoder) -> bool {
@@ -702,24 +731,14 @@ impl Tape {
     }
 }
 
-/// `loss.backward()` plus the decoder parameters' gradients of every training forward filed
-/// since the last call on this thread (see the module header). Forwards whose logits do not
-/// reach the loss contribute nothing and are dropped.
+/// `loss.backward()` plus the decoder parameters' gradients of every training forward whose
+/// logits the loss depends on (see the module header).
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
-    let mut store = loss.backward()?;
-    let tapes = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    let mut grads = Grads::default();
-    for tape in tapes {
-        let Some(dl) = store.remove(&tape.logits) else {
-            continue;
-        };
-        tape.backward(&dl, &mut grads)?;
-    }
+    // Gradients stranded by a plain `loss.backward()` elsewhere must not leak into this one.
+    COLLECTED.with(|c| c.borrow_mut().by_id.clear());
+    let store = loss.backward();
+    let grads = COLLECTED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let mut store = store?;
     grads.into_store(&mut store)?;
     Ok(store)
-}
-
-/// Drop this thread's filed tapes without differentiating them.
-pub fn discard_pending() {
-    PENDING.with(|p| p.borrow_mut().clear());
 }
