@@ -492,6 +492,13 @@ pub struct TrainArgs {
     /// Also write every rollout episode as a session file under DIR (step-NNNN/TASK-gG.jsonl).
     #[arg(long, value_name = "DIR")]
     pub rollouts: Option<PathBuf>,
+    /// Optimisation passes over each step's rollouts (clipped surrogate from the second on).
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Full fine-tuning: keep parameters whose name contains one of these (comma-separated)
+    /// fixed, e.g. `embed_tokens`.
+    #[arg(long, value_delimiter = ',')]
+    pub freeze: Vec<String>,
     #[command(flatten)]
     pub lora: LoraArgs,
     #[arg(long, required = true)]

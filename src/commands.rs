@@ -430,6 +430,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
         grounding_sessions: a.grounding_sessions.clone(),
         rollouts_dir: a.rollouts.clone(),
         collapse_patience: a.collapse_patience,
+        epochs: a.epochs.max(1),
+        frozen: a.freeze.clone(),
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

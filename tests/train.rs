@@ -259,6 +259,55 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
     assert_eq!(rows as f64, m.get("rows").unwrap());
 }
 
+#[test]
+fn frozen_parameters_stay_fixed_while_the_others_train() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+    let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let cfg = GrpoConfig {
+        steps: 2,
+        batch: 2,
+        group: 4,
+        mode: ModeChoice::Real,
+        lr: 1e-3,
+        frozen: vec!["embed_tokens".into()],
+        ..Default::default()
+    };
+    let mut sink = MemorySink::default();
+    run_grpo(
+        &cfg,
+        GrpoRun {
+            model: &model,
+            model_dir: &src,
+            out: Some(out.path()),
+            resume: None,
+            sink: &mut sink,
+            cancel: &CancelToken::new(),
+        },
+    )
+    .unwrap();
+    let signal: f64 = sink
+        .steps
+        .iter()
+        .map(|m| m.get("rows_with_signal").unwrap())
+        .sum();
+    assert!(
+        signal > 0.0,
+        "no step had a reward signal: {:?}",
+        sink.steps
+    );
+    let (before, after) = (weights_of(&src), weights_of(&out.path().join("final")));
+    let emb = "model.embed_tokens.weight";
+    assert_eq!(before[emb], after[emb], "the frozen embedding moved");
+    let moved = before
+        .keys()
+        .filter(|k| k.as_str() != emb && before[*k] != after[*k])
+        .count();
+    assert!(moved > 0, "no trainable weight moved");
+}
+
 /// Record `n` train-split episodes of the bundled model in `mode` into `dir`.
 fn record_sessions(dir: &Path, mode: &str, n: usize) {
     let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))

@@ -92,6 +92,11 @@ pub struct GrpoConfig {
     /// answered (the TUI's Sessions tab and `envace sessions` read them).
     #[serde(default)]
     pub rollouts_dir: Option<std::path::PathBuf>,
+    /// Parameters left out of the optimizer in full fine-tuning: a parameter is frozen when its
+    /// name contains one of these strings (e.g. `embed_tokens` keeps the tied embedding — the
+    /// input side of every copied name — fixed while the layers learn).
+    #[serde(default)]
+    pub frozen: Vec<String>,
 }
 
 fn default_grounding_batch() -> usize {
@@ -133,6 +138,7 @@ impl Default for GrpoConfig {
             grounding_sessions: None,
             grounding_batch: default_grounding_batch(),
             rollouts_dir: None,
+            frozen: Vec::new(),
         }
     }
 }
@@ -420,8 +426,20 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         ));
     }
     let grounding_lengths: Vec<usize> = grounding.iter().map(|e| e.ids.len()).collect();
+    let trainable: Vec<(String, candle_core::Var)> = model
+        .named_vars()
+        .into_iter()
+        .filter(|(name, _)| !cfg.frozen.iter().any(|f| name.contains(f.as_str())))
+        .collect();
+    if !cfg.frozen.is_empty() {
+        let n: usize = trainable.iter().map(|(_, v)| v.elem_count()).sum();
+        sink.log(&format!(
+            "frozen: parameters matching {}; {n} left to train",
+            cfg.frozen.join(",")
+        ));
+    }
     let mut opt = AdamW::new(
-        model.named_vars(),
+        trainable,
         AdamWConfig {
             lr: cfg.lr,
             weight_decay: 0.0,
