@@ -409,6 +409,11 @@ pub struct PretrainArgs {
     /// to answer a recorded call with its recorded response and a slipped one with its error.
     #[arg(long, default_value_t = 0.0)]
     pub recorded_fraction: f64,
+    /// Fraction of copy-drill items that are random letter strings instead of train-split
+    /// entities (which are short fixed lists a model memorises): practice in copying what it
+    /// has never seen, as the test split's held-out names and places demand.
+    #[arg(long, default_value_t = 0.0)]
+    pub random_copy: f64,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,

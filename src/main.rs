@@ -131,7 +131,9 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.slip_fraction = a.slip_fraction;
     cfg.corpus.copy_per_task = a.copy_per_task;
     cfg.corpus.recorded_fraction = a.recorded_fraction;
+    cfg.corpus.random_copy_fraction = a.random_copy;
     for (flag, v) in [
+        ("--random-copy", a.random_copy),
         ("--memory-fraction", a.memory_fraction),
         ("--slip-fraction", a.slip_fraction),
         ("--recorded-fraction", a.recorded_fraction),

@@ -88,6 +88,13 @@ pub struct CorpusConfig {
     /// gold call sits in the pool. Otherwise the pool is the other gold steps only.
     #[serde(default)]
     pub recorded_fraction: f64,
+    /// Fraction of the items in copy drills that are random letter strings (`Qevorl`, `tusk`)
+    /// instead of train-split entities. The train split's places, payees and items are short
+    /// fixed lists a model memorises as units, so copying them teaches recall, not copying;
+    /// the test split's held-out ones then come out wrong (`Kyvi` for `Kyiv`). Random strings
+    /// can only be copied.
+    #[serde(default)]
+    pub random_copy_fraction: f64,
     pub seed: u64,
 }
 
@@ -100,6 +107,7 @@ impl Default for CorpusConfig {
             slip_fraction: 0.0,
             copy_per_task: 0.0,
             recorded_fraction: 0.0,
+            random_copy_fraction: 0.0,
             seed: 0,
         }
     }
@@ -123,6 +131,7 @@ impl Default for PretrainConfig {
                 slip_fraction: 0.3,
                 copy_per_task: 1.0,
                 recorded_fraction: 0.0,
+                random_copy_fraction: 0.0,
                 seed: 0,
             },
             sft: SftConfig {
@@ -326,7 +335,8 @@ pub fn corpus(
             let frac = cfg.copy_per_task - whole;
             let extra = usize::from(cfg.copy_per_task > 0.0 && rng.random::<f64>() < frac);
             for _ in 0..whole as usize + extra {
-                out.push(copy_drill(&t, split, rng.random::<u64>())?);
+                let seed = rng.random::<u64>();
+                out.push(copy_drill(&t, split, seed, cfg.random_copy_fraction)?);
             }
         }
     }
@@ -410,16 +420,48 @@ fn corrupt_call(call: &ToolCall, rng: &mut StdRng) -> Option<ToolCall> {
 pub const COPY_SYSTEM: &str = "Repeat the items exactly.";
 
 /// A copy drill: 4-10 entities of the split, echoed in order (see
-/// [`CorpusConfig::copy_per_task`]).
-fn copy_drill(t: &ChatTemplate, split: Split, seed: u64) -> Result<Segmented, TrainError> {
+/// [`CorpusConfig::copy_per_task`]); each is replaced by a random letter string with
+/// probability `random_fraction` ([`CorpusConfig::random_copy_fraction`]).
+fn copy_drill(
+    t: &ChatTemplate,
+    split: Split,
+    seed: u64,
+    random_fraction: f64,
+) -> Result<Segmented, TrainError> {
     let n = 4 + (seed % 7) as usize;
-    let items = sample_entities(split, seed, n).join(", ");
+    let mut entities = sample_entities(split, seed, n);
+    if random_fraction > 0.0 {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x7261_6e64);
+        for e in &mut entities {
+            if rng.random::<f64>() < random_fraction {
+                *e = random_word(&mut rng);
+            }
+        }
+    }
+    let items = entities.join(", ");
     let msgs = vec![
         Message::system(COPY_SYSTEM),
         Message::user(items.clone()),
         Message::assistant(items),
     ];
     actor_text_last(t, &msgs, &[])
+}
+
+/// A random letter string of 3-8 letters, capitalised half the time, never a test-pool value.
+fn random_word(rng: &mut StdRng) -> String {
+    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
+    loop {
+        let len = rng.random_range(3..=8);
+        let mut w: String = (0..len)
+            .map(|_| char::from(LETTERS[rng.random_range(0..LETTERS.len())]))
+            .collect();
+        if rng.random::<bool>() {
+            w = w[..1].to_uppercase() + &w[1..];
+        }
+        if !crate::env::domains::in_test_pools(&w) {
+            return w;
+        }
+    }
 }
 
 /// What [`slip_examples`] needs from the task being rendered.
@@ -816,6 +858,7 @@ mod tests {
             slip_fraction: 0.0,
             copy_per_task: 0.0,
             recorded_fraction: 0.0,
+            random_copy_fraction: 0.0,
             seed: 7,
         }
     }
@@ -1032,6 +1075,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn random_copy_drills_echo_strings_outside_every_pool() {
+        let c = CorpusConfig {
+            copy_per_task: 1.0,
+            random_copy_fraction: 1.0,
+            ..cfg(0.0)
+        };
+        let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+        let mut items = 0;
+        for d in texts.iter().filter(|t| t.text().contains(COPY_SYSTEM)) {
+            let trained: Vec<&(String, bool)> = d.segments.iter().filter(|s| s.1).collect();
+            let reply = trained[0].0.trim_end_matches(END);
+            assert!(d.text().contains(&format!("user\n{reply}")), "{}", d.text());
+            for item in reply.split(", ") {
+                items += 1;
+                assert!((3..=8).contains(&item.len()), "{item}");
+                assert!(item.chars().all(|ch| ch.is_ascii_alphabetic()), "{item}");
+                assert!(!crate::env::domains::in_test_pools(item), "{item}");
+            }
+        }
+        assert!(items >= 30 * 4, "{items} items");
     }
 
     #[test]

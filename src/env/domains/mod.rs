@@ -536,6 +536,14 @@ pub fn sample_entities(split: Split, seed: u64, n: usize) -> Vec<String> {
         .collect()
 }
 
+/// Whether `s` is one of the test split's held-out names, places, payees or items (random
+/// strings made for training are kept out of them).
+pub fn in_test_pools(s: &str) -> bool {
+    [TEST_NAMES, TEST_CITIES, TEST_PAYEES, TEST_ITEMS]
+        .iter()
+        .any(|pool| pool.contains(&s))
+}
+
 /// Shorthand for a gold call.
 pub(crate) fn call(name: &str, arguments: Value) -> ToolCall {
     ToolCall {
