@@ -414,6 +414,10 @@ pub struct PretrainArgs {
     /// has never seen, as the test split's held-out names and places demand.
     #[arg(long, default_value_t = 0.0)]
     pub random_copy: f64,
+    /// Fraction of tasks that add an actor conversation whose names, places, payees and items
+    /// are all replaced by random letter strings (copying unseen values inside real tasks).
+    #[arg(long, default_value_t = 0.0)]
+    pub random_entities: f64,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,

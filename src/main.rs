@@ -132,7 +132,9 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.copy_per_task = a.copy_per_task;
     cfg.corpus.recorded_fraction = a.recorded_fraction;
     cfg.corpus.random_copy_fraction = a.random_copy;
+    cfg.corpus.random_entity_fraction = a.random_entities;
     for (flag, v) in [
+        ("--random-entities", a.random_entities),
         ("--random-copy", a.random_copy),
         ("--memory-fraction", a.memory_fraction),
         ("--slip-fraction", a.slip_fraction),

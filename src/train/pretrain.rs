@@ -95,6 +95,12 @@ pub struct CorpusConfig {
     /// can only be copied.
     #[serde(default)]
     pub random_copy_fraction: f64,
+    /// Fraction of tasks that add a second actor conversation in which every train-split name,
+    /// place, payee and item is replaced by a random letter string wherever it occurs (request,
+    /// calls, responses, answer): the copying the test split demands, in the sentences it
+    /// happens in, on values no model can have memorised.
+    #[serde(default)]
+    pub random_entity_fraction: f64,
     pub seed: u64,
 }
 
@@ -108,6 +114,7 @@ impl Default for CorpusConfig {
             copy_per_task: 0.0,
             recorded_fraction: 0.0,
             random_copy_fraction: 0.0,
+            random_entity_fraction: 0.0,
             seed: 0,
         }
     }
@@ -132,6 +139,7 @@ impl Default for PretrainConfig {
                 copy_per_task: 1.0,
                 recorded_fraction: 0.0,
                 random_copy_fraction: 0.0,
+                random_entity_fraction: 0.0,
                 seed: 0,
             },
             sft: SftConfig {
@@ -287,6 +295,11 @@ pub fn corpus(
             let (msgs, calls) =
                 gold_conversation(&task).map_err(|e| TrainError::Data(e.to_string()))?;
             out.push(actor_text(&t, &msgs, &tj)?);
+            if cfg.random_entity_fraction > 0.0 && rng.random::<f64>() < cfg.random_entity_fraction
+            {
+                let seed = rng.random::<u64>();
+                out.push(actor_text(&t, &with_random_entities(&msgs, seed)?, &tj)?);
+            }
             let mut chosen: Vec<usize> = (0..calls.len()).collect();
             if cfg.sim_per_task > 0 {
                 chosen.shuffle(&mut rng);
@@ -449,19 +462,83 @@ fn copy_drill(
 
 /// A random letter string of 3-8 letters, capitalised half the time, never a test-pool value.
 fn random_word(rng: &mut StdRng) -> String {
+    let capital = rng.random::<bool>();
+    random_word_styled(rng, capital)
+}
+
+/// A random letter string of 3-8 letters (first letter upper case if `capital`), never a
+/// test-pool value.
+fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
     const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
     loop {
         let len = rng.random_range(3..=8);
         let mut w: String = (0..len)
             .map(|_| char::from(LETTERS[rng.random_range(0..LETTERS.len())]))
             .collect();
-        if rng.random::<bool>() {
+        if capital {
             w = w[..1].to_uppercase() + &w[1..];
         }
         if !crate::env::domains::in_test_pools(&w) {
             return w;
         }
     }
+}
+
+/// `msgs` with every train-split pool value that occurs as a whole word replaced by a random
+/// string (the same one at every occurrence, capitalised like the original; see
+/// [`CorpusConfig::random_entity_fraction`]).
+fn with_random_entities(msgs: &[Message], seed: u64) -> Result<Vec<Message>, TrainError> {
+    let mut text =
+        serde_json::to_string(msgs).map_err(|e| TrainError::Data(format!("messages: {e}")))?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    // Longest first, so that `Anna` is replaced before a shorter value could match inside it.
+    let mut values = crate::env::domains::train_pool_values();
+    values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    for v in values {
+        if find_word(&text, v).is_none() {
+            continue;
+        }
+        let capital = v.chars().next().is_some_and(char::is_uppercase);
+        let new = random_word_styled(&mut rng, capital);
+        text = replace_words(&text, v, &new);
+    }
+    serde_json::from_str(&text).map_err(|e| TrainError::Data(format!("messages: {e}")))
+}
+
+fn is_word_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// Byte offset of the first whole-word occurrence of `word` in `text`.
+fn find_word(text: &str, word: &str) -> Option<usize> {
+    let mut from = 0;
+    while let Some(i) = text[from..].find(word) {
+        let start = from + i;
+        let end = start + word.len();
+        let before = text[..start]
+            .chars()
+            .next_back()
+            .is_none_or(|c| !is_word_char(c));
+        let after = text[end..].chars().next().is_none_or(|c| !is_word_char(c));
+        if before && after {
+            return Some(start);
+        }
+        from = start + word.len().max(1);
+    }
+    None
+}
+
+/// `text` with every whole-word occurrence of `word` replaced by `new`.
+fn replace_words(text: &str, word: &str, new: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = find_word(rest, word) {
+        out.push_str(&rest[..i]);
+        out.push_str(new);
+        rest = &rest[i + word.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// What [`slip_examples`] needs from the task being rendered.
@@ -859,6 +936,7 @@ mod tests {
             copy_per_task: 0.0,
             recorded_fraction: 0.0,
             random_copy_fraction: 0.0,
+            random_entity_fraction: 0.0,
             seed: 7,
         }
     }
@@ -1098,6 +1176,59 @@ mod tests {
             }
         }
         assert!(items >= 30 * 4, "{items} items");
+    }
+
+    #[test]
+    fn random_entities_replace_every_occurrence_and_keep_the_conversation_consistent() {
+        let c = CorpusConfig {
+            random_entity_fraction: 1.0,
+            ..cfg(0.0)
+        };
+        let texts = corpus(
+            &[Domain::Travel],
+            Split::Train,
+            &PromptProfile::compact(),
+            &c,
+        )
+        .unwrap();
+        let base = corpus(
+            &[Domain::Travel],
+            Split::Train,
+            &PromptProfile::compact(),
+            &cfg(0.0),
+        )
+        .unwrap();
+        // One extra actor text per task.
+        assert_eq!(texts.len(), base.len() + 30);
+        let pools = crate::env::domains::train_pool_values();
+        let actor: Vec<String> = texts
+            .iter()
+            .filter(|t| t.role != Role::Tool)
+            .map(Segmented::text)
+            .collect();
+        let mut changed = 0;
+        for pair in actor.chunks(2) {
+            let (orig, sub) = (&pair[0], &pair[1]);
+            let present: Vec<&&str> = pools
+                .iter()
+                .filter(|v| find_word(orig, v).is_some() && find_word(sub, v).is_none())
+                .collect();
+            if !present.is_empty() {
+                changed += 1;
+            }
+            // Ids, amounts and days are untouched.
+            for id in orig
+                .split(|c: char| !is_word_char(c))
+                .filter(|w| w.contains('_'))
+            {
+                assert!(sub.contains(id), "{id} lost");
+            }
+        }
+        assert!(changed >= 25, "only {changed} of 30 conversations changed");
+        assert_eq!(
+            replace_words("Ann met Anna; Ann_x, Ann.", "Ann", "Qo"),
+            "Qo met Anna; Ann_x, Qo."
+        );
     }
 
     #[test]

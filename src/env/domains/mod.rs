@@ -544,6 +544,15 @@ pub fn in_test_pools(s: &str) -> bool {
         .any(|pool| pool.contains(&s))
 }
 
+/// Every train-split name, place, payee and item (the values a task's text is built from).
+pub fn train_pool_values() -> Vec<&'static str> {
+    let mut v: Vec<&'static str> = train_names().to_vec();
+    v.extend_from_slice(TRAIN_CITIES);
+    v.extend_from_slice(TRAIN_PAYEES);
+    v.extend_from_slice(TRAIN_ITEMS);
+    v
+}
+
 /// Shorthand for a gold call.
 pub(crate) fn call(name: &str, arguments: Value) -> ToolCall {
     ToolCall {
