@@ -405,6 +405,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let Some(out) = a.out.clone() else {
         bail!("--out is required");
     };
+    if a.epochs == 0 {
+        bail!("--epochs 0: at least one optimisation pass per step");
+    }
     let device = candle_core::Device::Cpu;
     let (model, resume, model_dir) =
         trainable_model(&a.model, &a.lora, a.seed, a.resume.as_deref(), &device)?;
@@ -430,7 +433,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         grounding_sessions: a.grounding_sessions.clone(),
         rollouts_dir: a.rollouts.clone(),
         collapse_patience: a.collapse_patience,
-        epochs: a.epochs.max(1),
+        epochs: a.epochs,
         frozen: a.freeze.clone(),
         ..GrpoConfig::default()
     };

@@ -197,13 +197,12 @@ fn partial_or_corrupt_checkpoints_are_refused() {
 #[test]
 fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
     use envace::engine::runner::ModeChoice;
-    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    use envace::train::grpo::GrpoConfig;
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
     assert!(
         src.join("model.safetensors").is_file(),
         "the bundled model is missing"
     );
-    let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
     let out = tempfile::tempdir().unwrap();
     let rollouts = out.path().join("rollouts");
     let cfg = GrpoConfig {
@@ -214,21 +213,8 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
         rollouts_dir: Some(rollouts.clone()),
         ..Default::default()
     };
-    let mut sink = MemorySink::default();
-    let r = run_grpo(
-        &cfg,
-        GrpoRun {
-            model: &model,
-            model_dir: &src,
-            out: Some(out.path()),
-            resume: None,
-            sink: &mut sink,
-            cancel: &CancelToken::new(),
-        },
-    )
-    .unwrap();
-    assert_eq!(r.steps, 1);
-    assert_eq!(r.episodes, 6);
+    let sink = grpo_on_bundled(&cfg, out.path()).unwrap();
+    assert_eq!(sink.steps.len(), 1);
     let m = &sink.steps[0];
     assert!(m.get("rows").unwrap() >= 6.0, "{m:?}");
     assert!(m.get("loss").unwrap().is_finite());
@@ -259,12 +245,34 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
     assert_eq!(rows as f64, m.get("rows").unwrap());
 }
 
+/// Run GRPO with `cfg` on the bundled model into `out`; the step metrics, or the error.
+fn grpo_on_bundled(
+    cfg: &envace::train::grpo::GrpoConfig,
+    out: &Path,
+) -> Result<MemorySink, envace::train::TrainError> {
+    use envace::train::grpo::{GrpoRun, run_grpo};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+    let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
+    let mut sink = MemorySink::default();
+    run_grpo(
+        cfg,
+        GrpoRun {
+            model: &model,
+            model_dir: &src,
+            out: Some(out),
+            resume: None,
+            sink: &mut sink,
+            cancel: &CancelToken::new(),
+        },
+    )?;
+    Ok(sink)
+}
+
 #[test]
 fn frozen_parameters_stay_fixed_while_the_others_train() {
     use envace::engine::runner::ModeChoice;
-    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    use envace::train::grpo::GrpoConfig;
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
-    let model = TrainableModel::load(&src, &Device::Cpu).unwrap();
     let out = tempfile::tempdir().unwrap();
     let cfg = GrpoConfig {
         steps: 2,
@@ -275,19 +283,7 @@ fn frozen_parameters_stay_fixed_while_the_others_train() {
         frozen: vec!["embed_tokens".into()],
         ..Default::default()
     };
-    let mut sink = MemorySink::default();
-    run_grpo(
-        &cfg,
-        GrpoRun {
-            model: &model,
-            model_dir: &src,
-            out: Some(out.path()),
-            resume: None,
-            sink: &mut sink,
-            cancel: &CancelToken::new(),
-        },
-    )
-    .unwrap();
+    let sink = grpo_on_bundled(&cfg, out.path()).unwrap();
     let signal: f64 = sink
         .steps
         .iter()
@@ -306,6 +302,18 @@ fn frozen_parameters_stay_fixed_while_the_others_train() {
         .filter(|k| k.as_str() != emb && before[*k] != after[*k])
         .count();
     assert!(moved > 0, "no trainable weight moved");
+    // A pattern that matches nothing, or one that matches everything, is refused up front.
+    for (frozen, says) in [
+        ("embed_tokenz", "no trainable parameter"),
+        ("model.", "nothing left"),
+    ] {
+        let bad = GrpoConfig {
+            frozen: vec![frozen.into()],
+            ..cfg.clone()
+        };
+        let err = grpo_on_bundled(&bad, out.path()).err().unwrap().to_string();
+        assert!(err.contains(frozen) && err.contains(says), "{err}");
+    }
 }
 
 /// Record `n` train-split episodes of the bundled model in `mode` into `dir`.

@@ -426,11 +426,28 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         ));
     }
     let grounding_lengths: Vec<usize> = grounding.iter().map(|e| e.ids.len()).collect();
-    let trainable: Vec<(String, candle_core::Var)> = model
-        .named_vars()
+    let all = model.named_vars();
+    // A pattern that matches nothing is a typo, not a request to train everything.
+    if let Some(f) = cfg
+        .frozen
+        .iter()
+        .find(|f| !all.iter().any(|(name, _)| name.contains(f.as_str())))
+    {
+        return Err(TrainError::Data(format!(
+            "frozen `{f}`: no trainable parameter name contains it (names look like `{}`)",
+            all.first().map_or("", |(n, _)| n.as_str())
+        )));
+    }
+    let trainable: Vec<(String, candle_core::Var)> = all
         .into_iter()
         .filter(|(name, _)| !cfg.frozen.iter().any(|f| name.contains(f.as_str())))
         .collect();
+    if trainable.is_empty() {
+        return Err(TrainError::Data(format!(
+            "frozen `{}`: every parameter is frozen, nothing left to train",
+            cfg.frozen.join(",")
+        )));
+    }
     if !cfg.frozen.is_empty() {
         let n: usize = trainable.iter().map(|(_, v)| v.elem_count()).sum();
         sink.log(&format!(
