@@ -508,6 +508,11 @@ pub struct TrainArgs {
     /// fixed, e.g. `embed_tokens`.
     #[arg(long, value_delimiter = ',')]
     pub freeze: Vec<String>,
+    /// Fraction F of each step's tasks played with every train-split name, place, payee and
+    /// item replaced by a random string (request, state, gold run and checklist alike), so the
+    /// reward depends on copying values that cannot be recalled (0 = off).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub random_entities: f64,
     #[command(flatten)]
     pub lora: LoraArgs,
     #[arg(long, required = true)]

@@ -408,6 +408,12 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if a.epochs == 0 {
         bail!("--epochs 0: at least one optimisation pass per step");
     }
+    if !(0.0..=1.0).contains(&a.random_entities) {
+        bail!(
+            "--random-entities {}: a fraction between 0 and 1",
+            a.random_entities
+        );
+    }
     let device = candle_core::Device::Cpu;
     let (model, resume, model_dir) =
         trainable_model(&a.model, &a.lora, a.seed, a.resume.as_deref(), &device)?;
@@ -435,6 +441,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         collapse_patience: a.collapse_patience,
         epochs: a.epochs,
         frozen: a.freeze.clone(),
+        random_entities: a.random_entities,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

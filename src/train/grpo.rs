@@ -97,6 +97,13 @@ pub struct GrpoConfig {
     /// input side of every copied name — fixed while the layers learn).
     #[serde(default)]
     pub frozen: Vec<String>,
+    /// Fraction of a step's tasks played with random entities (0 = off): the group plays a
+    /// copy of the train task in which every train-split name, place, payee and item is
+    /// replaced by a random letter string, everywhere (request, state, gold calls, checklist),
+    /// so the reward depends on copying values the model cannot have memorised, as the test
+    /// split's held-out values require. The verifier scores the copy like any task.
+    #[serde(default)]
+    pub random_entities: f64,
 }
 
 fn default_grounding_batch() -> usize {
@@ -139,6 +146,7 @@ impl Default for GrpoConfig {
             grounding_batch: default_grounding_batch(),
             rollouts_dir: None,
             frozen: Vec::new(),
+            random_entities: 0.0,
         }
     }
 }
@@ -372,6 +380,60 @@ pub fn step_tasks(
         .collect()
 }
 
+/// A copy of `task` with every train-split pool value (names, places, payees, items) replaced
+/// by a random string wherever it occurs, seeded; validated like a task file, so a copy whose
+/// gold run no longer replays is refused rather than played.
+pub fn randomized_task(task: &Task, seed: u64) -> Result<Task, TrainError> {
+    let text = serde_json::to_string(task)
+        .map_err(|e| TrainError::Data(format!("task {}: {e}", task.id)))?;
+    let randomized = super::pretrain::randomize_pool_words(&text, seed);
+    if randomized == text {
+        // Only ids and amounts: nothing to randomize, the task plays as it is.
+        return Ok(task.clone());
+    }
+    let mut value: serde_json::Value = serde_json::from_str(&randomized)
+        .map_err(|e| TrainError::Data(format!("randomized task {}: {e}", task.id)))?;
+    value["id"] = serde_json::Value::from(format!("{}~r{:08x}", task.id, seed as u32));
+    let out = crate::env::tasks::validate_task(&value, 0).map_err(|(id, field, msg)| {
+        TrainError::Data(format!("randomized task {id}: field `{field}`: {msg}"))
+    })?;
+    let steps = out
+        .gold_steps()
+        .map_err(|e| TrainError::Data(format!("randomized task {}: {e}", out.id)))?;
+    let expected = out.turns.iter().flat_map(|t| t.actions.iter());
+    for ((call, resp), gold) in steps.iter().zip(expected) {
+        let got = match resp {
+            crate::env::ToolResponse::Error { code, .. } => Some(code.as_str()),
+            _ => None,
+        };
+        if got != gold.error.as_deref() {
+            return Err(TrainError::Data(format!(
+                "randomized task {}: gold call `{}` answered {got:?}, expected {:?}",
+                out.id, call.name, gold.error
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// The task the `ti`-th group of step `step` plays: the train task itself, or with probability
+/// [`GrpoConfig::random_entities`] its [`randomized_task`] (deterministic in seed, step and
+/// position, so a resumed run plays the same tasks).
+fn group_task(cfg: &GrpoConfig, task: &Task, step: usize, ti: usize) -> Result<Task, TrainError> {
+    use rand::{Rng, SeedableRng};
+    if cfg.random_entities <= 0.0 {
+        return Ok(task.clone());
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(
+        cfg.seed ^ 0x5EED_0E17_u64.wrapping_mul((step * 1_009 + ti + 1) as u64),
+    );
+    if rng.random::<f64>() < cfg.random_entities {
+        randomized_task(task, rng.random::<u64>())
+    } else {
+        Ok(task.clone())
+    }
+}
+
 /// What a run did.
 #[derive(Debug, Clone, Serialize)]
 pub struct GrpoReport {
@@ -531,10 +593,11 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         let (mut reward_sum, mut n_eps, mut fmt_fail, mut actor_turns, mut sim_fail, mut sim_gens) =
             (0.0, 0usize, 0usize, 0usize, 0usize, 0usize);
         let (mut fid_sum, mut fid_n) = (0.0f64, 0usize);
-        for (ti, task) in step_tasks(&tasks, cfg.batch, cfg.seed, step)
+        for (ti, train_task) in step_tasks(&tasks, cfg.batch, cfg.seed, step)
             .into_iter()
             .enumerate()
         {
+            let task = &group_task(cfg, train_task, step, ti)?;
             let mut group = Vec::with_capacity(cfg.group);
             for g in 0..cfg.group {
                 let opts = RunOptions {
@@ -902,6 +965,66 @@ mod tests {
         // A row longer than the budget still goes, alone.
         assert_eq!(micro_batch_end(&refs, 4, 50), 5);
         assert_eq!(micro_batch_end(&refs, 0, 1000), 5);
+    }
+
+    #[test]
+    fn randomized_tasks_replay_and_mention_no_train_pool_value() {
+        let pool = crate::env::domains::train_pool_values();
+        let mut changed = 0;
+        let mut total = 0;
+        for d in Domain::ALL {
+            for (i, task) in list_tasks(d, Some(Split::Train)).into_iter().enumerate() {
+                let r = randomized_task(task, i as u64).expect("randomized task validates");
+                total += 1;
+                assert!(r.id.starts_with(&task.id));
+                let differs = r.turns != task.turns || r.initial_state != task.initial_state;
+                assert_eq!(r.id != task.id, differs, "{}", r.id);
+                assert_eq!(r.gold_actions().len(), task.gold_actions().len());
+                let text = serde_json::to_string(&r.turns).expect("json");
+                for v in &pool {
+                    let word = regex_free_word(&text, v);
+                    assert!(!word, "{}: `{v}` left in {text}", r.id);
+                }
+                if r.turns != task.turns {
+                    changed += 1;
+                }
+                // Same seed, same copy.
+                assert_eq!(randomized_task(task, i as u64).expect("again"), r);
+            }
+        }
+        // About half the tasks name someone, somewhere or something (the rest only ids and
+        // amounts, which stay).
+        assert!(changed * 2 >= total, "{changed} of {total} changed");
+        // The fraction is honoured and deterministic.
+        let cfg = GrpoConfig {
+            random_entities: 0.5,
+            ..GrpoConfig::default()
+        };
+        let task = list_tasks(Domain::Travel, Some(Split::Train))[0];
+        assert!(
+            task.turns[0].user.contains(" from "),
+            "{}",
+            task.turns[0].user
+        );
+        let picks: Vec<bool> = (0..200)
+            .map(|s| group_task(&cfg, task, s, 0).expect("task").id != task.id)
+            .collect();
+        let n = picks.iter().filter(|&&b| b).count();
+        assert!((70..=130).contains(&n), "{n} of 200 randomized at 0.5");
+        let again: Vec<bool> = (0..200)
+            .map(|s| group_task(&cfg, task, s, 0).expect("task").id != task.id)
+            .collect();
+        assert_eq!(picks, again);
+    }
+
+    /// Whether `word` occurs in `text` delimited by non-word characters.
+    fn regex_free_word(text: &str, word: &str) -> bool {
+        text.match_indices(word).any(|(i, _)| {
+            let before = text[..i].chars().next_back();
+            let after = text[i + word.len()..].chars().next();
+            let w = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+            !w(before) && !w(after)
+        })
     }
 
     #[test]

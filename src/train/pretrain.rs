@@ -488,8 +488,17 @@ fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
 /// string (the same one at every occurrence, capitalised like the original; see
 /// [`CorpusConfig::random_entity_fraction`]).
 fn with_random_entities(msgs: &[Message], seed: u64) -> Result<Vec<Message>, TrainError> {
-    let mut text =
+    let text =
         serde_json::to_string(msgs).map_err(|e| TrainError::Data(format!("messages: {e}")))?;
+    serde_json::from_str(&randomize_pool_words(&text, seed))
+        .map_err(|e| TrainError::Data(format!("messages: {e}")))
+}
+
+/// `text` with every train-split pool value that occurs as a whole word replaced by a random
+/// letter string (the same one at every occurrence, capitalised like the original, never a
+/// test-pool value), seeded. Shared by the pretraining corpus and GRPO's randomized tasks.
+pub(crate) fn randomize_pool_words(text: &str, seed: u64) -> String {
+    let mut text = text.to_string();
     let mut rng = StdRng::seed_from_u64(seed);
     // Longest first, so that `Anna` is replaced before a shorter value could match inside it.
     let mut values = crate::env::domains::train_pool_values();
@@ -502,7 +511,7 @@ fn with_random_entities(msgs: &[Message], seed: u64) -> Result<Vec<Message>, Tra
         let new = random_word_styled(&mut rng, capital);
         text = replace_words(&text, v, &new);
     }
-    serde_json::from_str(&text).map_err(|e| TrainError::Data(format!("messages: {e}")))
+    text
 }
 
 fn is_word_char(c: char) -> bool {
