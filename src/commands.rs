@@ -408,12 +408,6 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if a.epochs == 0 {
         bail!("--epochs 0: at least one optimisation pass per step");
     }
-    if !(0.0..=1.0).contains(&a.random_entities) {
-        bail!(
-            "--random-entities {}: a fraction between 0 and 1",
-            a.random_entities
-        );
-    }
     let device = candle_core::Device::Cpu;
     let (model, resume, model_dir) =
         trainable_model(&a.model, &a.lora, a.seed, a.resume.as_deref(), &device)?;

@@ -430,3 +430,59 @@ fn the_grounding_loss_teaches_the_simulator_the_real_responses_of_shadow_session
     assert!(err.contains("no shadow-mode simulator row"), "{err}");
     assert!(err.contains(&real.path().display().to_string()), "{err}");
 }
+
+#[test]
+fn random_entity_groups_play_randomized_copies_and_bad_fractions_are_refused() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::grpo::GrpoConfig;
+    let out = tempfile::tempdir().unwrap();
+    let rollouts = out.path().join("rollouts");
+    let cfg = GrpoConfig {
+        domains: vec!["travel".into()],
+        steps: 1,
+        batch: 4,
+        group: 2,
+        mode: ModeChoice::Real,
+        random_entities: 1.0,
+        rollouts_dir: Some(rollouts.clone()),
+        ..Default::default()
+    };
+    grpo_on_bundled(&cfg, out.path()).unwrap();
+    // Every travel task names a place or a passenger (in the request or the state), so every
+    // group plays a copy; its episodes are recorded under the copy's id, and where the request
+    // names one, the request the actor saw is the copy's.
+    let files: Vec<std::path::PathBuf> = std::fs::read_dir(rollouts.join("step-0000"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 8, "{files:?}");
+    let mut named = 0;
+    for f in &files {
+        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        let (train_id, _) = name.split_once("~r").expect("a randomized copy's id");
+        let task = envace::env::tasks::find_builtin(train_id).expect("a train task");
+        let request = &task.turns[0].user;
+        let names_one = envace::env::domains::train_pool_values().iter().any(|v| {
+            request
+                .split(|c: char| !c.is_alphanumeric())
+                .any(|w| w == *v)
+        });
+        if names_one {
+            named += 1;
+            let session = std::fs::read_to_string(f).unwrap();
+            assert!(
+                !session.contains(request.as_str()),
+                "{name} shows the original request `{request}`"
+            );
+        }
+    }
+    assert!(named > 0, "no request named anything: {files:?}");
+    for bad in [-0.1, 1.5, f64::NAN] {
+        let cfg = GrpoConfig {
+            random_entities: bad,
+            ..cfg.clone()
+        };
+        let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
+        assert!(err.contains("random_entities"), "{err}");
+    }
+}

@@ -496,19 +496,27 @@ fn with_random_entities(msgs: &[Message], seed: u64) -> Result<Vec<Message>, Tra
 
 /// `text` with every train-split pool value that occurs as a whole word replaced by a random
 /// letter string (the same one at every occurrence, capitalised like the original, never a
-/// test-pool value), seeded. Shared by the pretraining corpus and GRPO's randomized tasks.
+/// test- or train-pool value nor a word already in the text), seeded. Shared by the pretraining corpus and GRPO's randomized tasks.
 pub(crate) fn randomize_pool_words(text: &str, seed: u64) -> String {
     let mut text = text.to_string();
     let mut rng = StdRng::seed_from_u64(seed);
     // Longest first, so that `Anna` is replaced before a shorter value could match inside it.
-    let mut values = crate::env::domains::train_pool_values();
+    let pool = crate::env::domains::train_pool_values();
+    let mut values = pool.clone();
     values.sort_by_key(|v| std::cmp::Reverse(v.len()));
     for v in values {
         if find_word(&text, v).is_none() {
             continue;
         }
         let capital = v.chars().next().is_some_and(char::is_uppercase);
-        let new = random_word_styled(&mut rng, capital);
+        // A replacement that is already a word of the text (another entity's replacement, a
+        // JSON key, a pool value still to come) would merge two things into one.
+        let new = loop {
+            let w = random_word_styled(&mut rng, capital);
+            if find_word(&text, &w).is_none() && !pool.contains(&w.as_str()) {
+                break w;
+            }
+        };
         text = replace_words(&text, v, &new);
     }
     text
