@@ -486,3 +486,69 @@ fn random_entity_groups_play_randomized_copies_and_bad_fractions_are_refused() {
         assert!(err.contains("random_entities"), "{err}");
     }
 }
+
+/// `envace pretrain --init` continues the bundled model: the output loads, keeps the tokenizer,
+/// has new weights, and its `pretrain.json` records what it continued from (and that model's
+/// own record), so a shipped model's lineage stays in its directory.
+#[test]
+fn a_pretrain_continuation_keeps_the_tokenizer_and_records_its_lineage() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let bundled = root.join("models/envace-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cont");
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(["pretrain", "--init"])
+        .arg(&bundled)
+        .arg("--out")
+        .arg(&out)
+        .args([
+            "--seed", "3", "--steps", "2", "--batch", "2", "--lr", "1e-4",
+        ])
+        .args(["--tasks-per-domain", "3", "--copy-per-task", "1"])
+        .args(["--random-copy", "0.5", "--random-entities", "1", "--json"])
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(report["sft"]["steps"], 2, "{report}");
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        std::fs::read(bundled.join("tokenizer.json")).unwrap()
+    );
+    assert_ne!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        std::fs::read(bundled.join("model.safetensors")).unwrap(),
+        "two optimizer steps changed no weight"
+    );
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("pretrain.json")).unwrap()).unwrap();
+    assert_eq!(record["init"]["path"], bundled.display().to_string());
+    let parent: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(bundled.join("pretrain.json")).unwrap())
+            .unwrap();
+    assert_eq!(record["init"]["pretrain"], parent);
+    assert_eq!(record["config"]["corpus"]["random_entity_fraction"], 1.0);
+    assert!(
+        !out.with_extension("work").exists(),
+        "work directory left behind"
+    );
+    // And it runs: the continuation plays a test task to its end.
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(["eval", "--model"])
+        .arg(&out)
+        .args(["--env", "bank", "--limit", "1", "--seed", "0", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let eval: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(eval["tasks"], 1, "{eval}");
+}

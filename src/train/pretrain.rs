@@ -907,8 +907,17 @@ pub fn run_pretrain(
         .map_err(|e| TrainError::Data(e.to_string()))?;
     // The shipped model needs no optimizer state.
     let _ = std::fs::remove_file(fin.join("optimizer.safetensors"));
+    // A continuation records what it continued from (and that model's own record), so a
+    // shipped model's whole lineage stays in its directory.
+    let init_record = init.map(|dir| {
+        let parent = std::fs::read_to_string(dir.join("pretrain.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok());
+        json!({ "path": dir.display().to_string(), "pretrain": parent })
+    });
     let summary = json!({
         "kind": "pretrain",
+        "init": init_record,
         "config": cfg,
         "vocab_size": tok.vocab_size(),
         "parameters": dcfg.parameter_count(),
