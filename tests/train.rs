@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use envace::runtime::config::Family;
@@ -318,25 +318,27 @@ fn frozen_parameters_stay_fixed_while_the_others_train() {
 
 /// Record `n` train-split episodes of the bundled model in `mode` into `dir`.
 fn record_sessions(dir: &Path, mode: &str, n: usize) {
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
-        .args(["eval", "--env", "bank", "--split", "train", "--mode", mode])
-        .args([
-            "--limit",
-            &n.to_string(),
-            "--seed",
-            "0",
-            "--json",
-            "--sessions",
-        ])
-        .arg(dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
+    let n = n.to_string();
+    let mut args: Vec<&std::ffi::OsStr> = Vec::new();
+    for a in [
+        "eval",
+        "--env",
+        "bank",
+        "--split",
+        "train",
+        "--mode",
+        mode,
+        "--limit",
+        &n,
+        "--seed",
+        "0",
+        "--json",
+        "--sessions",
+    ] {
+        args.push(a.as_ref());
+    }
+    args.push(dir.as_os_str());
+    ok_json(&envace(&args));
 }
 
 #[test]
@@ -487,68 +489,126 @@ fn random_entity_groups_play_randomized_copies_and_bad_fractions_are_refused() {
     }
 }
 
+/// Run the envace binary from the repository root; its output, whatever the exit status.
+fn envace(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap()
+}
+
+/// Its stdout as JSON, after asserting that it succeeded.
+fn ok_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// `envace pretrain --init` continues the bundled model: the output loads, keeps the tokenizer,
 /// has new weights, and its `pretrain.json` records what it continued from (and that model's
-/// own record), so a shipped model's lineage stays in its directory.
+/// own record), so a shipped model's lineage stays in its directory. A parent whose record is
+/// malformed is refused before any training, naming the file.
 #[test]
 fn a_pretrain_continuation_keeps_the_tokenizer_and_records_its_lineage() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let bundled = root.join("models/envace-tiny");
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("cont");
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
-        .args(["pretrain", "--init"])
-        .arg(&bundled)
-        .arg("--out")
-        .arg(&out)
-        .args([
-            "--seed", "3", "--steps", "2", "--batch", "2", "--lr", "1e-4",
-        ])
-        .args(["--tasks-per-domain", "3", "--copy-per-task", "1"])
-        .args(["--random-copy", "0.5", "--random-entities", "1", "--json"])
-        .env("RAYON_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    let pretrain = |init: &Path, out: &Path| {
+        let mut args: Vec<&std::ffi::OsStr> = vec!["pretrain".as_ref(), "--init".as_ref()];
+        args.extend([init.as_os_str(), "--out".as_ref(), out.as_os_str()]);
+        for a in [
+            "--seed",
+            "3",
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--lr",
+            "1e-4",
+            "--tasks-per-domain",
+            "3",
+            "--copy-per-task",
+            "1",
+            "--random-copy",
+            "0.5",
+            "--random-entities",
+            "1",
+            "--json",
+        ] {
+            args.push(a.as_ref());
+        }
+        envace(&args)
+    };
+    let report = ok_json(&pretrain(&bundled, &out));
     assert_eq!(report["sft"]["steps"], 2, "{report}");
+    let read = |p: PathBuf| std::fs::read(&p).unwrap();
     assert_eq!(
-        std::fs::read(out.join("tokenizer.json")).unwrap(),
-        std::fs::read(bundled.join("tokenizer.json")).unwrap()
+        read(out.join("tokenizer.json")),
+        read(bundled.join("tokenizer.json"))
     );
     assert_ne!(
-        std::fs::read(out.join("model.safetensors")).unwrap(),
-        std::fs::read(bundled.join("model.safetensors")).unwrap(),
+        read(out.join("model.safetensors")),
+        read(bundled.join("model.safetensors")),
         "two optimizer steps changed no weight"
     );
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("pretrain.json")).unwrap()).unwrap();
+    let json = |p: PathBuf| serde_json::from_slice::<serde_json::Value>(&read(p)).unwrap();
+    let record = json(out.join("pretrain.json"));
     assert_eq!(record["init"]["path"], bundled.display().to_string());
-    let parent: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(bundled.join("pretrain.json")).unwrap())
-            .unwrap();
-    assert_eq!(record["init"]["pretrain"], parent);
+    assert_eq!(
+        record["init"]["pretrain"],
+        json(bundled.join("pretrain.json"))
+    );
     assert_eq!(record["config"]["corpus"]["random_entity_fraction"], 1.0);
     assert!(
         !out.with_extension("work").exists(),
         "work directory left behind"
     );
     // And it runs: the continuation plays a test task to its end.
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
-        .args(["eval", "--model"])
-        .arg(&out)
-        .args(["--env", "bank", "--limit", "1", "--seed", "0", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let eval: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    let sessions = tmp.path().join("sessions");
+    let eval = ok_json(&envace(&[
+        "eval".as_ref(),
+        "--model".as_ref(),
+        out.as_os_str(),
+        "--env".as_ref(),
+        "bank".as_ref(),
+        "--limit".as_ref(),
+        "1".as_ref(),
+        "--seed".as_ref(),
+        "0".as_ref(),
+        "--json".as_ref(),
+        "--sessions".as_ref(),
+        sessions.as_os_str(),
+    ]));
     assert_eq!(eval["tasks"], 1, "{eval}");
+
+    // A parent with a malformed record: refused up front, naming the file; nothing written.
+    let broken = tmp.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    for f in std::fs::read_dir(&out).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, broken.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(
+        broken.join("pretrain.json"),
+        "{\"kind\": \"pretrain\",\n  \"init\": ",
+    )
+    .unwrap();
+    let out2 = tmp.path().join("cont2");
+    let st = pretrain(&broken, &out2);
+    assert!(
+        !st.status.success(),
+        "a malformed parent record was accepted"
+    );
+    let err = String::from_utf8_lossy(&st.stderr);
+    assert!(
+        err.contains("pretrain.json") && err.contains("line 2"),
+        "{err}"
+    );
+    assert!(!out2.exists() && !out2.with_extension("work").exists());
 }

@@ -806,6 +806,21 @@ pub struct PretrainReport {
     pub seconds: f64,
 }
 
+/// The `pretrain.json` of the model a continuation starts from: `None` when it has none (a
+/// checkpoint not made by `envace pretrain`); an unreadable or malformed one is an error that
+/// names the file (and the line and column).
+fn parent_record(dir: &Path) -> Result<Option<serde_json::Value>, TrainError> {
+    let path = dir.join("pretrain.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(TrainError::Data(format!("{}: {e}", path.display()))),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))
+}
+
 /// Run the whole pipeline into `out` (an HF checkpoint directory). With `init`, training
 /// continues from that model (its tokenizer and weights) with a fresh schedule.
 pub fn run_pretrain(
@@ -816,6 +831,14 @@ pub fn run_pretrain(
     cancel: &CancelToken,
 ) -> Result<PretrainReport, TrainError> {
     let t0 = Instant::now();
+    // Read the parent's record before any work: a malformed one is refused now, not after
+    // the training it would otherwise be silently dropped from.
+    let init_record = init
+        .map(|dir| {
+            parent_record(dir)
+                .map(|parent| json!({ "path": dir.display().to_string(), "pretrain": parent }))
+        })
+        .transpose()?;
     let profile = PromptProfile::compact();
     let texts = corpus(&Domain::ALL, Split::Train, &profile, &cfg.corpus)?;
     sink.log(&format!("corpus: {} texts", texts.len()));
@@ -907,14 +930,8 @@ pub fn run_pretrain(
         .map_err(|e| TrainError::Data(e.to_string()))?;
     // The shipped model needs no optimizer state.
     let _ = std::fs::remove_file(fin.join("optimizer.safetensors"));
-    // A continuation records what it continued from (and that model's own record), so a
-    // shipped model's whole lineage stays in its directory.
-    let init_record = init.map(|dir| {
-        let parent = std::fs::read_to_string(dir.join("pretrain.json"))
-            .ok()
-            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok());
-        json!({ "path": dir.display().to_string(), "pretrain": parent })
-    });
+    // A continuation records what it continued from (and that model's own record, read
+    // above), so a shipped model's whole lineage stays in its directory.
     let summary = json!({
         "kind": "pretrain",
         "init": init_record,
