@@ -513,6 +513,16 @@ pub struct TrainArgs {
     /// reward depends on copying values that cannot be recalled (0 = off).
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub random_entities: f64,
+    /// Scale of negative advantages in the policy loss (1 = GRPO as specified, 0 = learn from
+    /// better-than-baseline rows only).
+    #[arg(long, default_value_t = 1.0, value_name = "W")]
+    pub negative_weight: f64,
+    /// Train on the first N train tasks of each domain only.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// Train on these train-split tasks only (comma-separated ids, e.g. `bank-train-0003`).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    pub tasks: Vec<String>,
     #[command(flatten)]
     pub lora: LoraArgs,
     #[arg(long, required = true)]

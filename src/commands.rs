@@ -436,6 +436,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
         epochs: a.epochs,
         frozen: a.freeze.clone(),
         random_entities: a.random_entities,
+        task_limit: a.limit,
+        task_ids: a.tasks.clone(),
+        negative_weight: a.negative_weight,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

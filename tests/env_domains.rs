@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use envace::env::reward::{gold_trace, score_task, state_hash};
+use envace::env::reward::{gold_trace, replay, score_task, state_hash};
 use envace::env::tasks::{Split, Task, builtin_tasks, list_tasks, load_task_file, validate_task};
 use envace::env::{Domain, DomainEnv, EnvError, Environment, EpisodeTrace, ToolResponse};
 use envace::message::ToolCall;
@@ -223,6 +223,56 @@ fn empty_episode_scores_below_one_for_every_task() {
             assert!(s.partial < 1.0, "{}", t.id);
         }
     }
+}
+
+#[test]
+fn an_action_taken_a_turn_early_fails_a_multi_turn_task() {
+    let mut checked = 0;
+    for d in Domain::ALL {
+        for t in builtin_tasks(d) {
+            if t.turns.len() < 2 {
+                continue;
+            }
+            let gold = gold_trace(t);
+            assert_eq!(gold.turn_ends.len(), t.turns.len(), "{}", t.id);
+            let s = score_task(t, &gold).unwrap();
+            assert_eq!(s.reward, 1.0, "{}", t.id);
+            assert!(
+                s.checklist
+                    .iter()
+                    .any(|c| c.name == "state after turn 1 matches gold" && c.passed),
+                "{}",
+                t.id
+            );
+            // Every call made before the first answer: the same calls, messages and final
+            // state, only the order against the user's turns differs.
+            let early = EpisodeTrace {
+                turn_ends: vec![gold.actions.len(); gold.turn_ends.len()],
+                ..gold.clone()
+            };
+            let first = replay(t, &gold.actions[..gold.turn_ends[0]]).unwrap();
+            let last = replay(t, &gold.actions).unwrap();
+            let s = score_task(t, &early).unwrap();
+            if state_hash(&first) == state_hash(&last) {
+                // The later turns change nothing (a question, or calls that fail): no harm.
+                assert_eq!(s.reward, 1.0, "{}", t.id);
+                continue;
+            }
+            assert_eq!(s.reward, 0.0, "{}", t.id);
+            assert!(
+                s.checklist
+                    .iter()
+                    .any(|c| c.name == "state after turn 1 matches gold" && !c.passed),
+                "{}",
+                t.id
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 20,
+        "only {checked} multi-turn tasks change state after turn 1"
+    );
 }
 
 #[test]

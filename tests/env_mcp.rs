@@ -96,6 +96,7 @@ async fn memory_server_stores_entities_and_scores_an_mcp_task() {
         actions: vec![action],
         agent_messages: vec!["Noted: Ann likes tea.".into()],
         finished_normally: true,
+        turn_ends: vec![1],
     };
     let s = env.score(&trace).await.unwrap();
     assert_eq!(s.reward, 1.0, "{:?}", s.checklist);

@@ -774,7 +774,9 @@ impl Engine {
 
     /// Persist a played history on the main line and account for it (see [`Self::with_history`]).
     fn absorb_history(&mut self, history: &[Message]) {
-        for m in history {
+        // The history's calls join the trace after this loop: an answer's turn end counts the
+        // calls played before it.
+        for (i, m) in history.iter().enumerate() {
             self.persist(EventBody::Message { message: m.clone() });
             self.conv.push(m.clone());
             match m.role {
@@ -782,6 +784,9 @@ impl Engine {
                     self.turns += 1;
                     if m.tool_calls.is_empty() {
                         self.trace.agent_messages.push(m.content.clone());
+                        self.trace
+                            .turn_ends
+                            .push(self.trace.actions.len() + played_calls(&history[..i]).len());
                     }
                     // New call ids continue after the history's.
                     for tc in &m.tool_calls {
@@ -889,6 +894,7 @@ impl Engine {
                 });
                 self.conv.push(msg);
                 self.trace.agent_messages.push(turn.content.clone());
+                self.trace.turn_ends.push(self.trace.actions.len());
                 self.after_answer();
             }
             ActorAction::Malformed => self.end(EndReason::ActorFormatError),

@@ -105,6 +105,11 @@ pub struct EpisodeTrace {
     pub agent_messages: Vec<String>,
     /// False when the episode ended abnormally (turn limit, parse failure, simulator rejection).
     pub finished_normally: bool,
+    /// How many of `actions` had been committed when each final answer was given (one entry
+    /// per answered user turn): a multi-turn task is scored turn by turn, so an action the user
+    /// only asks for in a later turn does not count as right when taken early.
+    #[serde(default)]
+    pub turn_ends: Vec<usize>,
 }
 
 /// One checklist item of a score.

@@ -3,8 +3,9 @@
 //! touches a live environment, so it can run at any time and any number of times.
 //!
 //! reward = 1 only when the episode finished normally, the state reached by the agent's calls
-//! equals the state reached by the gold calls, and every required fact appears (case-insensitive)
-//! in some agent message. `partial` is the weighted checklist fraction.
+//! equals the state reached by the gold calls (after every answered turn of a multi-turn task,
+//! not only at the end), and every required fact appears (case-insensitive) in some agent
+//! message. `partial` is the weighted checklist fraction.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -138,6 +139,7 @@ pub fn score_task(task: &Task, trace: &EpisodeTrace) -> Result<Score, EnvError> 
             reason,
         });
     }
+    let turns_ok = turn_states(task, trace, &mut checklist)?;
     let total: f64 = checklist.iter().map(|c| c.weight).sum();
     let got: f64 = checklist
         .iter()
@@ -150,12 +152,57 @@ pub fn score_task(task: &Task, trace: &EpisodeTrace) -> Result<Score, EnvError> 
     } else {
         0.0
     };
-    let success = trace.finished_normally && state_ok && missing.is_empty();
+    let success = trace.finished_normally && state_ok && turns_ok && missing.is_empty();
     Ok(Score {
         reward: if success { 1.0 } else { 0.0 },
         partial,
         checklist,
     })
+}
+
+/// A multi-turn task is scored turn by turn: for every turn but the last that the agent
+/// answered, the state its calls had reached by that answer must equal the state the gold
+/// calls reach by the end of that turn (one checklist item each). Without it, an irreversible
+/// action the user only asks for later (return the item while answering what it cost) scores
+/// as right whenever the final state comes out the same. A trace without turn ends (recorded
+/// elsewhere) is scored on its final state only.
+fn turn_states(
+    task: &Task,
+    trace: &EpisodeTrace,
+    checklist: &mut Vec<ChecklistItem>,
+) -> Result<bool, EnvError> {
+    if task.turns.len() < 2 || trace.turn_ends.is_empty() {
+        return Ok(true);
+    }
+    let domain = task.domain()?;
+    let mut gold = task.initial_state.clone();
+    let mut all = true;
+    for (k, turn) in task.turns[..task.turns.len() - 1].iter().enumerate() {
+        for a in &turn.actions {
+            domain.apply(&mut gold, &a.to_call())?;
+        }
+        let Some(&end) = trace.turn_ends.get(k) else {
+            break;
+        };
+        let reached = state_hash(&replay(
+            task,
+            &trace.actions[..end.min(trace.actions.len())],
+        )?);
+        let want = state_hash(&gold);
+        let passed = reached == want;
+        all &= passed;
+        checklist.push(ChecklistItem {
+            name: format!("state after turn {} matches gold", k + 1),
+            weight: 1.0,
+            passed,
+            reason: if passed {
+                "state hash matches".to_string()
+            } else {
+                format!("state hash {} != gold {}", &reached[..12], &want[..12])
+            },
+        });
+    }
+    Ok(all)
 }
 
 /// The trace an expert produces: gold calls, gold replies, finished normally.
@@ -164,5 +211,13 @@ pub fn gold_trace(task: &Task) -> EpisodeTrace {
         actions: task.gold_actions(),
         agent_messages: task.gold_replies(),
         finished_normally: true,
+        turn_ends: task
+            .turns
+            .iter()
+            .scan(0, |n, t| {
+                *n += t.actions.len();
+                Some(*n)
+            })
+            .collect(),
     }
 }

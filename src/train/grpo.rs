@@ -104,6 +104,22 @@ pub struct GrpoConfig {
     /// split's held-out values require. The verifier scores the copy like any task.
     #[serde(default)]
     pub random_entities: f64,
+    /// Train on the first N train tasks of each domain only (None = all of them).
+    #[serde(default)]
+    pub task_limit: Option<usize>,
+    /// Train on these train-split tasks only (ids; empty = all). A test-split id is refused:
+    /// the test split is what the README table scores.
+    #[serde(default)]
+    pub task_ids: Vec<String>,
+    /// Scale of negative advantages in the policy loss (1 = GRPO as specified; 0 = learn from
+    /// the better-than-baseline rows only). Pushing down every token of a failed episode also
+    /// pushes down the right tokens it shares with successful episodes of other tasks.
+    #[serde(default = "default_negative_weight")]
+    pub negative_weight: f64,
+}
+
+fn default_negative_weight() -> f64 {
+    1.0
 }
 
 fn default_grounding_batch() -> usize {
@@ -147,6 +163,9 @@ impl Default for GrpoConfig {
             rollouts_dir: None,
             frozen: Vec::new(),
             random_entities: 0.0,
+            task_limit: None,
+            task_ids: Vec::new(),
+            negative_weight: default_negative_weight(),
         }
     }
 }
@@ -261,6 +280,16 @@ struct MicroLoss {
     clipped: f64,
 }
 
+/// The advantage a row's tokens carry into the policy loss: negative advantages scaled by
+/// [`GrpoConfig::negative_weight`].
+pub fn loss_advantage(advantage: f64, negative_weight: f64) -> f64 {
+    if advantage < 0.0 {
+        advantage * negative_weight
+    } else {
+        advantage
+    }
+}
+
 fn micro_loss(
     policy: &Decoder,
     reference: Option<&Decoder>,
@@ -287,10 +316,11 @@ fn micro_loss(
     let mut old = vec![0f32; b * t1];
     for (i, r) in rows.iter().enumerate() {
         let p = r.row.prompt_ids.len();
+        let weighted = loss_advantage(r.advantage, cfg.negative_weight) as f32;
         for (k, lp) in r.row.logprobs.iter().enumerate() {
             let pos = p + k; // predicting ids[pos] from position pos-1
             if pos >= 1 && pos - 1 < t1 {
-                adv[i * t1 + pos - 1] = r.advantage as f32;
+                adv[i * t1 + pos - 1] = weighted;
                 old[i * t1 + pos - 1] = *lp;
             }
         }
@@ -378,6 +408,37 @@ pub fn step_tasks(
         .iter()
         .map(|&i| tasks[i])
         .collect()
+}
+
+/// The train-split tasks a run plays: every domain's, cut to `task_limit` per domain, or the
+/// named `task_ids` (each must be a train-split task of one of the run's domains).
+pub fn training_tasks(cfg: &GrpoConfig) -> Result<Vec<&'static Task>, TrainError> {
+    let mut tasks: Vec<&'static Task> = Vec::new();
+    for d in &cfg.domains {
+        let domain = Domain::from_name(d).map_err(|e| TrainError::Data(e.to_string()))?;
+        let train = list_tasks(domain, Some(Split::Train));
+        let n = cfg.task_limit.unwrap_or(train.len()).min(train.len());
+        tasks.extend(train.into_iter().take(n));
+    }
+    if !cfg.task_ids.is_empty() {
+        let mut chosen = Vec::with_capacity(cfg.task_ids.len());
+        for id in &cfg.task_ids {
+            match tasks.iter().find(|t| &t.id == id) {
+                Some(t) => chosen.push(*t),
+                None => {
+                    return Err(TrainError::Data(format!(
+                        "task `{id}`: not a train-split task of {} (test tasks are never trained on)",
+                        cfg.domains.join(",")
+                    )));
+                }
+            }
+        }
+        tasks = chosen;
+    }
+    if tasks.is_empty() {
+        return Err(TrainError::Data("no training tasks".into()));
+    }
+    Ok(tasks)
 }
 
 /// A copy of `task` with every train-split pool value (names, places, payees, items) replaced
@@ -468,14 +529,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     } = run;
     let base = LocalModel::load_on(model_dir, &model.decoder.device, None)?;
     let profile = PromptProfile::read(model_dir).map_err(|e| TrainError::Data(e.to_string()))?;
-    let mut tasks: Vec<&'static Task> = Vec::new();
-    for d in &cfg.domains {
-        let domain = Domain::from_name(d).map_err(|e| TrainError::Data(e.to_string()))?;
-        tasks.extend(list_tasks(domain, Some(Split::Train)));
-    }
-    if tasks.is_empty() {
-        return Err(TrainError::Data("no training tasks".into()));
-    }
+    let tasks = training_tasks(cfg)?;
     let reference = (cfg.kl_coef > 0.0)
         .then(|| deep_copy(&model.decoder))
         .transpose()?;
@@ -486,6 +540,12 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             grounding.len(),
             cfg.grounding_coef
         ));
+    }
+    if !(cfg.negative_weight >= 0.0 && cfg.negative_weight.is_finite()) {
+        return Err(TrainError::Data(format!(
+            "negative_weight {}: a finite weight ≥ 0 (`--negative-weight`)",
+            cfg.negative_weight
+        )));
     }
     if !(0.0..=1.0).contains(&cfg.random_entities) {
         return Err(TrainError::Data(format!(
@@ -686,7 +746,10 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         // 2. Optimise on rows that carry signal.
         let mut active: Vec<&ScoredRow> = rows
             .iter()
-            .filter(|r| r.advantage != 0.0 && !r.row.response_ids.is_empty())
+            .filter(|r| {
+                loss_advantage(r.advantage, cfg.negative_weight) != 0.0
+                    && !r.row.response_ids.is_empty()
+            })
             .collect();
         // Similar lengths together: a micro-batch is padded to its longest row.
         active.sort_by_key(|r| r.row.prompt_ids.len() + r.row.response_ids.len());
@@ -1023,6 +1086,57 @@ mod tests {
             .map(|s| group_task(&cfg, task, s, 0).expect("task").id != task.id)
             .collect();
         assert_eq!(picks, again);
+    }
+
+    #[test]
+    fn a_run_can_be_cut_to_named_or_the_first_train_tasks_but_never_test_ones() {
+        let cfg = |limit: Option<usize>, ids: &[&str]| GrpoConfig {
+            domains: vec!["bank".into(), "travel".into()],
+            task_limit: limit,
+            task_ids: ids.iter().map(|s| s.to_string()).collect(),
+            ..GrpoConfig::default()
+        };
+        let all = training_tasks(&cfg(None, &[])).expect("all");
+        let bank = list_tasks(Domain::Bank, Some(Split::Train)).len();
+        let travel = list_tasks(Domain::Travel, Some(Split::Train)).len();
+        assert_eq!(all.len(), bank + travel);
+        let cut = training_tasks(&cfg(Some(3), &[])).expect("cut");
+        let ids: Vec<&str> = cut.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            [
+                "bank-train-0000",
+                "bank-train-0001",
+                "bank-train-0002",
+                "travel-train-0000",
+                "travel-train-0001",
+                "travel-train-0002"
+            ]
+        );
+        let named =
+            training_tasks(&cfg(None, &["travel-train-0007", "bank-train-0003"])).expect("named");
+        let ids: Vec<&str> = named.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(ids, ["travel-train-0007", "bank-train-0003"]);
+        for bad in ["bank-test-0003", "retail-train-0001", "bank-train-9999"] {
+            let err = training_tasks(&cfg(None, &[bad]))
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                err.contains(bad) && err.contains("not a train-split task"),
+                "{err}"
+            );
+        }
+        // A limit that excludes a named task: the name is refused, not silently dropped.
+        assert!(training_tasks(&cfg(Some(2), &["bank-train-0005"])).is_err());
+    }
+
+    #[test]
+    fn negative_advantages_are_scaled_by_the_negative_weight_only() {
+        assert_eq!(loss_advantage(0.75, 0.0), 0.75);
+        assert_eq!(loss_advantage(-0.25, 1.0), -0.25);
+        assert_eq!(loss_advantage(-0.25, 0.5), -0.125);
+        assert_eq!(loss_advantage(-0.25, 0.0), 0.0);
+        assert_eq!(loss_advantage(0.0, 2.0), 0.0);
     }
 
     /// Whether `word` occurs in `text` delimited by non-word characters (written apart from

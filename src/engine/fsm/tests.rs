@@ -1543,6 +1543,42 @@ fn history_consumes_user_turns_and_the_next_scripted_turn_follows() {
 }
 
 #[test]
+fn each_answer_records_how_many_calls_were_committed_by_then() {
+    // Live: one call in turn 1, two in turn 2.
+    let t = call_text("get_balance", json!({"id": "a"}));
+    let r = run(
+        spec(&["first", "second"]),
+        cfg(real()),
+        Script::default().actor(&[&t, "A1", &t, &t, "A2"]),
+    );
+    assert_eq!(r.outcome().trace.agent_messages, ["A1", "A2"]);
+    assert_eq!(r.outcome().trace.turn_ends, [1, 3]);
+    // From a history: its played calls count (a rejected one does not), then the live turn's.
+    let history = vec![
+        calls_msg(&[
+            ("call_0", "get_balance", json!({"id": "a"})),
+            ("call_1", "get_balance", json!({"id": "b"})),
+        ]),
+        tool_msg("call_0", "get_balance", json!({"balance": 5})),
+        tool_msg(
+            "call_1",
+            "get_balance",
+            json!({"error": {"code": REJECTED_BY_USER, "message": "no"}}),
+        ),
+        Message::assistant("A1"),
+        Message::user("second"),
+    ];
+    let r = run_from(
+        spec(&["first", "second"]),
+        cfg(real()),
+        history,
+        Script::default().actor(&[&t, "A2"]),
+    );
+    assert_eq!(r.outcome().trace.agent_messages, ["A1", "A2"]);
+    assert_eq!(r.outcome().trace.turn_ends, [1, 2]);
+}
+
+#[test]
 fn history_ending_in_a_final_answer_sends_the_next_user_turn_or_ends() {
     let r = run_from(
         spec(&["one"]),
