@@ -245,6 +245,39 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
     assert_eq!(rows as f64, m.get("rows").unwrap());
 }
 
+#[test]
+fn the_kl_term_trains_every_row_and_the_policy_term_only_rows_with_signal() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::grpo::GrpoConfig;
+    for kl in [0.0, 0.1] {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = GrpoConfig {
+            steps: 1,
+            batch: 2,
+            group: 2,
+            kl_coef: kl,
+            mode: ModeChoice::Real,
+            task_ids: vec!["bank-train-0000".into(), "bank-train-0001".into()],
+            ..Default::default()
+        };
+        let sink = grpo_on_bundled(&cfg, out.path()).unwrap();
+        let m = &sink.steps[0];
+        let (rows, signal, trained) = (
+            m.get("rows").unwrap(),
+            m.get("rows_with_signal").unwrap(),
+            m.get("rows_trained").unwrap(),
+        );
+        assert!(rows >= 4.0, "{m:?}");
+        if kl > 0.0 {
+            assert_eq!(trained, rows, "{m:?}");
+            assert!(m.get("kl").unwrap().is_finite(), "{m:?}");
+        } else {
+            assert_eq!(trained, signal, "{m:?}");
+            assert_eq!(m.get("kl").unwrap(), 0.0, "{m:?}");
+        }
+    }
+}
+
 /// Run GRPO with `cfg` on the bundled model into `out`; the step metrics, or the error.
 fn grpo_on_bundled(
     cfg: &envace::train::grpo::GrpoConfig,

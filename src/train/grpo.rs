@@ -59,7 +59,8 @@ pub struct GrpoConfig {
     pub clip_eps: f64,
     /// Optimisation passes over each step's rows.
     pub epochs: usize,
-    /// KL penalty to the starting policy (0 = off; k3 estimator).
+    /// KL penalty to the starting policy (0 = off; k3 estimator), on every generated row: rows
+    /// without advantage (groups that all succeeded or all failed) are trained on it too.
     pub kl_coef: f64,
     pub entropy_coef: f64,
     pub grad_clip: f64,
@@ -270,7 +271,7 @@ fn policy_terms(
     crate::runtime::fused::token_logprobs_entropy(&logits, &tgt, entropy)
 }
 
-/// The loss pieces of one micro-batch, already divided by `norm` (the step's masked tokens).
+/// The loss pieces of one micro-batch, already divided by their [`Norms`].
 struct MicroLoss {
     loss: Tensor,
     kl: f64,
@@ -290,12 +291,20 @@ pub fn loss_advantage(advantage: f64, negative_weight: f64) -> f64 {
     }
 }
 
+/// Token counts a step's losses are divided by: the policy term by the tokens of the rows with
+/// signal (as without a KL term), the KL and entropy terms by the tokens of every trained row.
+#[derive(Debug, Clone, Copy)]
+struct Norms {
+    policy: f64,
+    all: f64,
+}
+
 fn micro_loss(
     policy: &Decoder,
     reference: Option<&Decoder>,
     rows: &[&ScoredRow],
     cfg: &GrpoConfig,
-    norm: f64,
+    norms: Norms,
 ) -> candle_core::Result<MicroLoss> {
     let dev = &policy.device;
     let examples: Vec<Example> = rows
@@ -336,7 +345,7 @@ fn micro_loss(
         .to_scalar::<f32>()? as f64;
     let clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)?;
     let surrogate = (&ratio * &adv)?.minimum(&(clipped * &adv)?)?;
-    let mut loss = ((surrogate * &mask)?.sum_all()?.neg()? / norm)?;
+    let mut loss = ((surrogate * &mask)?.sum_all()?.neg()? / norms.policy.max(1.0))?;
     let mut kl_v = 0.0;
     if let Some(reference) = reference
         && cfg.kl_coef > 0.0
@@ -344,13 +353,13 @@ fn micro_loss(
         let (ref_lp, _) = policy_terms(reference, &ids, false)?;
         let d = (ref_lp.detach() - &lp)?;
         let k3 = ((d.exp()? - &d)? - 1.0)?;
-        let kl = ((k3 * &mask)?.sum_all()? / norm)?;
+        let kl = ((k3 * &mask)?.sum_all()? / norms.all)?;
         kl_v = kl.to_scalar::<f32>()? as f64;
         loss = (loss + (kl * cfg.kl_coef)?)?;
     }
     let mut ent_v = 0.0;
     if let Some(e) = ent {
-        let e = ((e * &mask)?.sum_all()? / norm)?;
+        let e = ((e * &mask)?.sum_all()? / norms.all)?;
         ent_v = e.to_scalar::<f32>()? as f64;
         loss = (loss - (e * cfg.entropy_coef)?)?;
     }
@@ -743,20 +752,23 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         };
         let adv: Vec<f64> = rows.iter().map(|r| r.advantage).collect();
         let adv_abs = adv.iter().map(|a| a.abs()).sum::<f64>() / adv.len().max(1) as f64;
-        // 2. Optimise on rows that carry signal.
+        // 2. Optimise on rows that carry signal — and, with a KL term, on every row: a group
+        // whose episodes all succeeded has no advantage, and only the KL term holds what it
+        // does in place while the other groups' updates move the shared weights.
+        let signal = |r: &ScoredRow| loss_advantage(r.advantage, cfg.negative_weight) != 0.0;
         let mut active: Vec<&ScoredRow> = rows
             .iter()
-            .filter(|r| {
-                loss_advantage(r.advantage, cfg.negative_weight) != 0.0
-                    && !r.row.response_ids.is_empty()
-            })
+            .filter(|r| (cfg.kl_coef > 0.0 || signal(r)) && !r.row.response_ids.is_empty())
             .collect();
         // Similar lengths together: a micro-batch is padded to its longest row.
         active.sort_by_key(|r| r.row.prompt_ids.len() + r.row.response_ids.len());
-        let norm: f64 = active
-            .iter()
-            .map(|r| r.row.loss_mask.iter().map(|&m| f64::from(m)).sum::<f64>())
-            .sum();
+        let tokens = |r: &&ScoredRow| r.row.loss_mask.iter().map(|&m| f64::from(m)).sum::<f64>();
+        let norms = Norms {
+            policy: active.iter().filter(|r| signal(r)).map(tokens).sum(),
+            all: active.iter().map(tokens).sum(),
+        };
+        let with_signal = active.iter().filter(|r| signal(r)).count();
+        let norm = norms.all;
         let (mut loss_v, mut kl_v, mut ent_v, mut gn) = (0.0, 0.0, 0.0, 0.0);
         // First-epoch ratio diagnostics: on-policy rows should start at ratio 1.
         let (mut ratio_gap, mut clipped) = (0.0, 0.0);
@@ -792,7 +804,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                         reference.as_ref(),
                         &active[start..end],
                         cfg,
-                        norm,
+                        norms,
                     )?;
                     loss_v += ml.loss.to_scalar::<f32>()? as f64;
                     kl_v += ml.kl;
@@ -844,7 +856,8 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             .with("reward_simulator", role_mean(GenRole::Simulator))
             .with("adv_abs_mean", adv_abs)
             .with("rows", rows.len())
-            .with("rows_with_signal", active.len())
+            .with("rows_with_signal", with_signal)
+            .with("rows_trained", active.len())
             .with("loss", loss_v)
             .with("kl", kl_v)
             .with("entropy", ent_v)

@@ -253,7 +253,7 @@ pub enum Effect {
     },
     LoadModel(PathBuf),
     ScanModels,
-    StartTraining(TrainRequest),
+    StartTraining(Box<TrainRequest>),
     StopTraining,
     ScanCheckpoints(PathBuf),
     Quit,
@@ -954,7 +954,7 @@ impl App {
                     match self.train.request(&self.model_path, resume) {
                         Ok(r) => {
                             self.train.started();
-                            vec![Effect::StartTraining(r)]
+                            vec![Effect::StartTraining(Box::new(r))]
                         }
                         Err(e) => {
                             self.notify(Level::Warn, e);
