@@ -113,8 +113,8 @@ pub struct GrpoConfig {
     #[serde(default)]
     pub task_ids: Vec<String>,
     /// Scale of negative advantages in the policy loss (1 = GRPO as specified; 0 = learn from
-    /// the better-than-baseline rows only). Pushing down every token of a failed episode also
-    /// pushes down the right tokens it shares with successful episodes of other tasks.
+    /// the better-than-baseline rows only). An ablation: at 0 the damage to tasks outside the
+    /// training set is the same as at 1 (docs/TRAINING.md, session 15).
     #[serde(default = "default_negative_weight")]
     pub negative_weight: f64,
 }
