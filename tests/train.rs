@@ -249,33 +249,41 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
 fn the_kl_term_trains_every_row_and_the_policy_term_only_rows_with_signal() {
     use envace::engine::runner::ModeChoice;
     use envace::train::grpo::GrpoConfig;
-    for kl in [0.0, 0.1] {
+    // Balance questions the bundled model answers reliably: a group that all succeeds has no
+    // advantage, so some rows carry no signal (asserted below, or the test would prove nothing).
+    let run = |kl: f64| {
         let out = tempfile::tempdir().unwrap();
         let cfg = GrpoConfig {
             steps: 1,
-            batch: 2,
+            batch: 3,
             group: 2,
             kl_coef: kl,
             mode: ModeChoice::Real,
-            task_ids: vec!["bank-train-0000".into(), "bank-train-0001".into()],
+            task_ids: vec![
+                "bank-train-0000".into(),
+                "bank-train-0001".into(),
+                "bank-train-0002".into(),
+            ],
             ..Default::default()
         };
-        let sink = grpo_on_bundled(&cfg, out.path()).unwrap();
-        let m = &sink.steps[0];
-        let (rows, signal, trained) = (
-            m.get("rows").unwrap(),
-            m.get("rows_with_signal").unwrap(),
-            m.get("rows_trained").unwrap(),
-        );
-        assert!(rows >= 4.0, "{m:?}");
-        if kl > 0.0 {
-            assert_eq!(trained, rows, "{m:?}");
-            assert!(m.get("kl").unwrap().is_finite(), "{m:?}");
-        } else {
-            assert_eq!(trained, signal, "{m:?}");
-            assert_eq!(m.get("kl").unwrap(), 0.0, "{m:?}");
-        }
-    }
+        grpo_on_bundled(&cfg, out.path()).unwrap().steps[0].clone()
+    };
+    let (off, on) = (run(0.0), run(0.1));
+    let get = |m: &envace::train::metrics::StepMetrics, k: &str| m.get(k).unwrap();
+    // Same seed, same rollouts.
+    assert_eq!(get(&off, "rows"), get(&on, "rows"));
+    assert_eq!(get(&off, "rows_with_signal"), get(&on, "rows_with_signal"));
+    let (rows, signal) = (get(&on, "rows"), get(&on, "rows_with_signal"));
+    assert!(signal < rows, "every row had signal: {on:?}");
+    // Without KL only the rows with signal are trained; with it, every row.
+    assert_eq!(get(&off, "rows_trained"), signal, "{off:?}");
+    assert_eq!(get(&on, "rows_trained"), rows, "{on:?}");
+    assert_eq!(get(&off, "kl"), 0.0);
+    // At the first step the policy is the reference (KL 0), and the policy term is still
+    // normalised by the signal rows' tokens: the loss is the one without KL.
+    assert!(get(&on, "kl").abs() < 1e-6, "{on:?}");
+    let (a, b) = (get(&off, "loss"), get(&on, "loss"));
+    assert!((a - b).abs() <= 1e-4 * a.abs().max(1e-3), "{a} vs {b}");
 }
 
 /// Run GRPO with `cfg` on the bundled model into `out`; the step metrics, or the error.
@@ -519,6 +527,15 @@ fn random_entity_groups_play_randomized_copies_and_bad_fractions_are_refused() {
         };
         let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
         assert!(err.contains("random_entities"), "{err}");
+    }
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let cfg = GrpoConfig {
+            random_entities: 0.0,
+            negative_weight: bad,
+            ..cfg.clone()
+        };
+        let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
+        assert!(err.contains("--negative-weight"), "{err}");
     }
 }
 
