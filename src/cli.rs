@@ -157,6 +157,14 @@ pub struct ModeArgs {
     /// else ask again with the memory) or reprompt (always ask again with the memory).
     #[arg(long, value_enum, default_value = "best-branch")]
     pub rehearsal_commit: RehearsalCommitArg,
+    /// Sampling temperature of the other branches' first imagined step (default: the
+    /// rehearsal temperature). Higher gives best-branch different calls to choose from.
+    #[arg(long, value_name = "T")]
+    pub rehearsal_explore: Option<f64>,
+    /// Answer an imagined call with the real error already observed for the identical call
+    /// (until an irreversible call succeeds) instead of asking the simulator.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub rehearsal_recall: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -517,6 +525,10 @@ pub struct TrainArgs {
     /// better-than-baseline rows only).
     #[arg(long, default_value_t = 1.0, value_name = "W")]
     pub negative_weight: f64,
+    /// Self-imitation: every row of a successful episode also carries this much positive
+    /// advantage (0 = off), so tasks every episode of a group solves are reinforced too.
+    #[arg(long, default_value_t = 0.0, value_name = "W")]
+    pub imitation: f64,
     /// Train on the first N train tasks of each domain only.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,

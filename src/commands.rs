@@ -71,6 +71,14 @@ pub fn rehearsal_tuning(m: &ModeArgs) -> Result<envace::engine::runner::Rehearsa
         "--rehearsal-temperature must be ≥ 0"
     );
     t.temperature = m.rehearsal_temperature;
+    if let Some(x) = m.rehearsal_explore {
+        anyhow::ensure!(
+            x.is_finite() && x >= 0.0,
+            "--rehearsal-explore must be a temperature ≥ 0"
+        );
+    }
+    t.explore_temperature = m.rehearsal_explore;
+    t.recall_errors = m.rehearsal_recall;
     Ok(t)
 }
 
@@ -439,6 +447,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         task_limit: a.limit,
         task_ids: a.tasks.clone(),
         negative_weight: a.negative_weight,
+        imitation: a.imitation,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

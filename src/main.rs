@@ -280,6 +280,8 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
             rehearsal_depth: "2".into(),
             rehearsal_temperature: 0.3,
             rehearsal_commit: cli::RehearsalCommitArg::BestBranch,
+            rehearsal_explore: None,
+            rehearsal_recall: true,
         },
         out: Some(out),
         json: false,

@@ -537,6 +537,15 @@ fn random_entity_groups_play_randomized_copies_and_bad_fractions_are_refused() {
         let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
         assert!(err.contains("--negative-weight"), "{err}");
     }
+    for bad in [-0.5, f64::NAN, f64::INFINITY] {
+        let cfg = GrpoConfig {
+            random_entities: 0.0,
+            imitation: bad,
+            ..cfg.clone()
+        };
+        let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
+        assert!(err.contains("--imitation"), "{err}");
+    }
 }
 
 /// Run the envace binary from the repository root; its output, whatever the exit status.

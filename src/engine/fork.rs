@@ -398,6 +398,8 @@ pub fn run_options_of(header: &SessionHeader) -> RunOptions {
                 depth: r.depth,
                 memory: r.memory.clone(),
                 temperature: r.sampling.temperature,
+                recall_errors: r.recall_errors,
+                explore_temperature: r.explore_temperature,
             })
             .unwrap_or_default(),
         ..base

@@ -164,6 +164,9 @@ pub struct EpisodeStats {
     pub simulated_calls: usize,
     pub rehearsals: usize,
     pub rehearsal_branches: usize,
+    /// Branch calls answered from an observed real error instead of the simulator.
+    #[serde(default)]
+    pub rehearsal_recalls: usize,
     /// Generated tokens, all roles and branches.
     pub generated_tokens: usize,
     /// Shadow-mode fidelity per tool.
@@ -455,6 +458,9 @@ pub struct Engine {
     turns: u32,
     tip: Option<String>,
     examples: Vec<RecordedExample>,
+    /// Real errors observed in this episode since the last irreversible call that succeeded
+    /// (the state they were observed in): what Private Rehearsal recalls instead of imagining.
+    observed_errors: Vec<(ToolCall, Value)>,
     trace: EpisodeTrace,
     stats: EpisodeStats,
     phase: Phase,
@@ -480,6 +486,7 @@ impl Engine {
         Ok(Self {
             tools: tools_json(&spec.tools),
             examples: spec.examples.clone(),
+            observed_errors: Vec::new(),
             cfg,
             spec,
             history: Vec::new(),
@@ -711,6 +718,25 @@ impl Engine {
         self.stats.generated_tokens += g.response_ids.len();
     }
 
+    /// Keep a real error for recall; an irreversible call that succeeded may have changed the
+    /// state every earlier error was observed in, so it clears them.
+    fn observe_real(&mut self, call: &ToolCall, irreversible: bool, shown: &Value) {
+        if shown.get("error").is_some() {
+            self.observed_errors.push((call.clone(), shown.clone()));
+        } else if irreversible {
+            self.observed_errors.clear();
+        }
+    }
+
+    /// The real error last observed for exactly this call in the current state, if any.
+    fn recalled_error(&self, call: &ToolCall) -> Option<Value> {
+        self.observed_errors
+            .iter()
+            .rev()
+            .find(|(c, _)| c.name == call.name && c.arguments == call.arguments)
+            .map(|(_, v)| v.clone())
+    }
+
     fn is_irreversible(&self, name: &str) -> bool {
         self.spec
             .tools
@@ -807,6 +833,8 @@ impl Engine {
         for p in played_calls(history) {
             if learn {
                 self.examples.push(example_from_real(&p.call, &p.shown));
+                let irreversible = self.is_irreversible(&p.call.name);
+                self.observe_real(&p.call, irreversible, &p.shown);
             }
             self.trace.actions.push(p.call);
         }
@@ -1007,6 +1035,7 @@ impl Engine {
             call: q.call.clone(),
             outcome: outcome.clone(),
             think,
+            recalled: false,
         });
         match self.cfg.mode {
             Mode::Shadow(_) => self.gate(st, Some(outcome)),
@@ -1178,6 +1207,7 @@ impl Engine {
         if self.cfg.learn_examples_from_real {
             self.examples.push(example_from_real(&q.call, &real));
         }
+        self.observe_real(&q.call, q.irreversible, &real);
         self.tool_result(&q, &real);
         st.next += 1;
         self.next_call(st);
@@ -1272,7 +1302,7 @@ impl Engine {
         });
         if parallel_batch {
             let prompt = actor_prompt(&self.conv, None, self.placement());
-            let sampling = r.cfg.sampling.clone();
+            let sampling = first_step_sampling(&r.cfg);
             let req = self.generate(GenRole::Actor, Some(1), None, prompt, sampling, n - 1);
             self.phase = Phase::Rehearsing(r, RehearsalWait::FirstSteps { req });
         } else {
@@ -1318,7 +1348,11 @@ impl Engine {
     fn branch_actor(&mut self, r: Box<Rehearsal>, b: Box<Branch>) {
         let memory = self.memory_for(&r);
         let prompt = actor_prompt(&b.conv, memory.as_deref(), self.placement());
-        let sampling = r.cfg.sampling.clone();
+        let sampling = if b.depth == 0 {
+            first_step_sampling(&r.cfg)
+        } else {
+            r.cfg.sampling.clone()
+        };
         let req = self.generate(GenRole::Actor, Some(b.index), None, prompt, sampling, 1);
         self.phase = Phase::Rehearsing(r, RehearsalWait::Branch(b, BranchWait::Actor { req }));
     }
@@ -1428,6 +1462,15 @@ impl Engine {
             }
             return self.branch_actor(r, b);
         };
+        if r.cfg.recall_errors
+            && let Some(value) = self.recalled_error(&q.call)
+        {
+            self.stats.rehearsal_recalls += 1;
+            let outcome = SimulatedOutcome::Parsed {
+                output: SimOutput::Result { value },
+            };
+            return self.branch_outcome(r, b, q, outcome, None, true);
+        }
         let prompt = simulator_prompt(
             &SimulatorPromptInput {
                 tools: &self.spec.tools,
@@ -1487,37 +1530,51 @@ impl Engine {
                 );
                 let (outcome, think, tip) = self.simulated_outcome(&g, Some(b.tip.clone()));
                 b.tip = tip.unwrap_or_default();
-                b.tip = self.emit(
-                    Some(b.tip.clone()),
-                    EventBody::Simulated {
-                        call_id: q.id.clone(),
-                        call: q.call.clone(),
-                        outcome: outcome.clone(),
-                        think,
-                    },
-                );
-                b.steps.push(BranchStep {
-                    call: q.call.clone(),
-                    outcome: outcome.clone(),
-                });
-                match outcome {
-                    SimulatedOutcome::Parsed {
-                        output: SimOutput::Result { value },
-                    } => {
-                        if value.get("error").is_some() {
-                            b.tool_errors += 1;
-                        }
-                        self.branch_message(&mut b, tool_message(&q.id, &q.call.name, &value));
-                        b.next_call += 1;
-                        self.branch_next_call(r, b);
-                    }
-                    SimulatedOutcome::Parsed {
-                        output: SimOutput::Rejected { code, message },
-                    } => self.end_branch(r, &b, BranchEnd::Rejected { code, message }),
-                    SimulatedOutcome::Unparseable { .. } => {
-                        self.end_branch(r, &b, BranchEnd::SimulatorFormatError)
-                    }
+                self.branch_outcome(r, b, q, outcome, think, false);
+            }
+        }
+    }
+
+    /// Record a branch call's simulated (or recalled) outcome and go on.
+    fn branch_outcome(
+        &mut self,
+        r: Box<Rehearsal>,
+        mut b: Box<Branch>,
+        q: QueuedCall,
+        outcome: SimulatedOutcome,
+        think: Option<String>,
+        recalled: bool,
+    ) {
+        b.tip = self.emit(
+            Some(b.tip.clone()),
+            EventBody::Simulated {
+                call_id: q.id.clone(),
+                call: q.call.clone(),
+                outcome: outcome.clone(),
+                think,
+                recalled,
+            },
+        );
+        b.steps.push(BranchStep {
+            call: q.call.clone(),
+            outcome: outcome.clone(),
+        });
+        match outcome {
+            SimulatedOutcome::Parsed {
+                output: SimOutput::Result { value },
+            } => {
+                if value.get("error").is_some() {
+                    b.tool_errors += 1;
                 }
+                self.branch_message(&mut b, tool_message(&q.id, &q.call.name, &value));
+                b.next_call += 1;
+                self.branch_next_call(r, b);
+            }
+            SimulatedOutcome::Parsed {
+                output: SimOutput::Rejected { code, message },
+            } => self.end_branch(r, &b, BranchEnd::Rejected { code, message }),
+            SimulatedOutcome::Unparseable { .. } => {
+                self.end_branch(r, &b, BranchEnd::SimulatorFormatError)
             }
         }
     }
@@ -1628,6 +1685,17 @@ impl Engine {
             });
         }
         self.actor_turn(Some((text, verdict)));
+    }
+}
+
+/// Sampling of a branch's first imagined step (branches 1…N−1; branch 0 starts from the draft).
+fn first_step_sampling(cfg: &PrivateRehearsal) -> SamplingParams {
+    match cfg.explore_temperature {
+        Some(temperature) => SamplingParams {
+            temperature,
+            ..cfg.sampling.clone()
+        },
+        None => cfg.sampling.clone(),
     }
 }
 

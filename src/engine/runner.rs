@@ -62,6 +62,16 @@ pub struct RehearsalTuning {
     pub memory: MemoryConfig,
     /// Sampling temperature of the imagined turns and simulations.
     pub temperature: f64,
+    /// See [`PrivateRehearsal::recall_errors`].
+    #[serde(default = "default_true")]
+    pub recall_errors: bool,
+    /// See [`PrivateRehearsal::explore_temperature`].
+    #[serde(default)]
+    pub explore_temperature: Option<f64>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for RehearsalTuning {
@@ -71,6 +81,8 @@ impl Default for RehearsalTuning {
             depth: d.depth,
             memory: d.memory,
             temperature: d.sampling.temperature,
+            recall_errors: d.recall_errors,
+            explore_temperature: d.explore_temperature,
         }
     }
 }
@@ -131,6 +143,8 @@ pub fn engine_config(
                     temperature: opts.rehearsal.temperature,
                     ..d.sampling
                 },
+                recall_errors: opts.rehearsal.recall_errors,
+                explore_temperature: opts.rehearsal.explore_temperature,
             }
         }),
         ..LiveOptions::default()

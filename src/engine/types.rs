@@ -103,6 +103,22 @@ pub struct PrivateRehearsal {
     pub memory: MemoryConfig,
     /// Sampling for the imagined actor turns and simulations (low temperature recommended).
     pub sampling: SamplingParams,
+    /// Answer an imagined call with the real error this episode already observed for the
+    /// identical call (same name and arguments), as long as no irreversible call has succeeded
+    /// since, instead of asking the simulator: imagination must not contradict what the
+    /// environment just said (the bundled simulator predicted a booking for the very call the
+    /// real environment had refused a turn earlier, so the draft was retried in a loop).
+    #[serde(default = "default_recall_errors")]
+    pub recall_errors: bool,
+    /// Sampling temperature of the first imagined step of branches 1…N−1 (None: `sampling`'s).
+    /// At a low temperature the siblings almost always propose the draft again, which leaves
+    /// [`CommitRule::BestBranch`] no alternative to switch to.
+    #[serde(default)]
+    pub explore_temperature: Option<f64>,
+}
+
+fn default_recall_errors() -> bool {
+    true
 }
 
 impl Default for PrivateRehearsal {
@@ -119,6 +135,8 @@ impl Default for PrivateRehearsal {
                 max_tokens: 512,
                 ..SamplingParams::default()
             },
+            recall_errors: default_recall_errors(),
+            explore_temperature: None,
         }
     }
 }

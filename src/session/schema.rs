@@ -181,6 +181,10 @@ pub enum EventBody {
         outcome: SimulatedOutcome,
         #[serde(default)]
         think: Option<String>,
+        /// The outcome is the real response already observed for the identical call, not a
+        /// generation (Private Rehearsal's `recall_errors`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        recalled: bool,
     },
     Real {
         call_id: String,

@@ -137,6 +137,7 @@ fn sample_events() -> Vec<NewEvent> {
                     },
                 },
                 think: None,
+                recalled: false,
             },
         ),
         ev(

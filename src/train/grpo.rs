@@ -117,6 +117,11 @@ pub struct GrpoConfig {
     /// training set is the same as at 1 (docs/TRAINING.md, session 15).
     #[serde(default = "default_negative_weight")]
     pub negative_weight: f64,
+    /// Self-imitation weight (0 = off): every row of a successful episode also carries this
+    /// much positive advantage, so the tasks a group solves every time (zero GRPO advantage)
+    /// are still reinforced while other groups' updates move the shared weights under them.
+    #[serde(default)]
+    pub imitation: f64,
 }
 
 fn default_negative_weight() -> f64 {
@@ -167,6 +172,7 @@ impl Default for GrpoConfig {
             task_limit: None,
             task_ids: Vec::new(),
             negative_weight: default_negative_weight(),
+            imitation: 0.0,
         }
     }
 }
@@ -291,6 +297,12 @@ pub fn loss_advantage(advantage: f64, negative_weight: f64) -> f64 {
     }
 }
 
+/// The weight a row's tokens carry into the policy loss: its [`loss_advantage`] plus, for rows
+/// of successful episodes, the self-imitation bonus [`GrpoConfig::imitation`] × reward.
+pub fn row_weight(r: &ScoredRow, cfg: &GrpoConfig) -> f64 {
+    loss_advantage(r.advantage, cfg.negative_weight) + cfg.imitation * r.row.reward.unwrap_or(0.0)
+}
+
 /// Token counts a step's losses are divided by: the policy term by the tokens of the rows with
 /// signal (as without a KL term), the KL and entropy terms by the tokens of every trained row.
 #[derive(Debug, Clone, Copy)]
@@ -325,7 +337,7 @@ fn micro_loss(
     let mut old = vec![0f32; b * t1];
     for (i, r) in rows.iter().enumerate() {
         let p = r.row.prompt_ids.len();
-        let weighted = loss_advantage(r.advantage, cfg.negative_weight) as f32;
+        let weighted = row_weight(r, cfg) as f32;
         for (k, lp) in r.row.logprobs.iter().enumerate() {
             let pos = p + k; // predicting ids[pos] from position pos-1
             if pos >= 1 && pos - 1 < t1 {
@@ -556,6 +568,12 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             cfg.negative_weight
         )));
     }
+    if !(cfg.imitation >= 0.0 && cfg.imitation.is_finite()) {
+        return Err(TrainError::Data(format!(
+            "imitation {}: a finite weight ≥ 0 (`--imitation`)",
+            cfg.imitation
+        )));
+    }
     if !(0.0..=1.0).contains(&cfg.random_entities) {
         return Err(TrainError::Data(format!(
             "random_entities {}: a fraction between 0 and 1 (`--random-entities`)",
@@ -755,7 +773,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         // 2. Optimise on rows that carry signal — and, with a KL term, on every row: a group
         // whose episodes all succeeded has no advantage, and only the KL term holds what it
         // does in place while the other groups' updates move the shared weights.
-        let signal = |r: &ScoredRow| loss_advantage(r.advantage, cfg.negative_weight) != 0.0;
+        let signal = |r: &ScoredRow| row_weight(r, cfg) != 0.0;
         let mut active: Vec<&ScoredRow> = rows
             .iter()
             .filter(|r| (cfg.kl_coef > 0.0 || signal(r)) && !r.row.response_ids.is_empty())
@@ -1150,6 +1168,30 @@ mod tests {
         assert_eq!(loss_advantage(-0.25, 0.5), -0.125);
         assert_eq!(loss_advantage(-0.25, 0.0), 0.0);
         assert_eq!(loss_advantage(0.0, 2.0), 0.0);
+    }
+
+    #[test]
+    fn self_imitation_adds_to_successful_rows_only_and_reaches_all_success_groups() {
+        use GenRole::{Actor as A, Simulator as S};
+        let cfg = GrpoConfig {
+            imitation: 0.5,
+            negative_weight: 0.5,
+            ..GrpoConfig::default()
+        };
+        // A group that solved the task every time: zero GRPO advantage, but each row of it is
+        // reinforced by the imitation weight.
+        let solved = role_advantages(&[vec![row(A, 1.0), row(S, 1.0)], vec![row(A, 1.0)]]);
+        assert!(solved.iter().all(|r| r.advantage == 0.0));
+        assert!(solved.iter().all(|r| row_weight(r, &cfg) == 0.5));
+        // A mixed group: actor baseline 1/2. The success row gets 1/2 + 1/2, the failure row
+        // −1/2 scaled by the negative weight and no bonus.
+        let mixed = role_advantages(&[vec![row(A, 1.0)], vec![row(A, 0.0)]]);
+        assert_eq!(row_weight(&mixed[0], &cfg), 1.0);
+        assert_eq!(row_weight(&mixed[1], &cfg), -0.25);
+        // Off by default: the weight is GRPO's.
+        let plain = GrpoConfig::default();
+        assert!(solved.iter().all(|r| row_weight(r, &plain) == 0.0));
+        assert_eq!(row_weight(&mixed[1], &plain), -0.5);
     }
 
     /// Whether `word` occurs in `text` delimited by non-word characters (written apart from

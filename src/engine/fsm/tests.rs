@@ -262,6 +262,8 @@ fn pr(branches: usize, strategy: RehearsalStrategy, depth: RehearsalDepth) -> Pr
             ..MemoryConfig::default()
         },
         sampling: SamplingParams::default(),
+        recall_errors: false,
+        explore_temperature: None,
     }
 }
 
@@ -1802,4 +1804,197 @@ fn best_branch_still_tries_the_draft_when_no_other_call_succeeded() {
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].arguments, json!({"amount": 50}), "the draft");
     assert_eq!(r.outcome().end, EndReason::Answered);
+}
+
+/// A call refused for real, proposed again: rehearsal recalls the refusal for branch 0 instead
+/// of asking the simulator (which, on the bundled model, imagined it succeeding), so best-branch
+/// commits the sibling's different call.
+fn recall_script() -> Script {
+    let fifty = call_text("transfer", json!({"amount": 50}));
+    Script::default()
+        .actor_owned(vec![
+            // Rehearsal 1: draft and sibling both transfer 50, both imagined fine.
+            fifty.clone(),
+            fifty.clone(),
+            "imagined: paid".into(),
+            "imagined: paid".into(),
+            // The real transfer is refused; the actor proposes it again. Rehearsal 2: the
+            // sibling tries 5.
+            fifty,
+            call_text("transfer", json!({"amount": 5})),
+            "imagined: refused".into(),
+            "imagined: paid".into(),
+            "Paid 5.".into(),
+        ])
+        .sim(vec![
+            result_text(json!({"ok": true})),
+            result_text(json!({"ok": true})),
+            // Without recall, branch 0 of rehearsal 2 reads this one.
+            result_text(json!({"ok": true})),
+            result_text(json!({"ok": true})),
+        ])
+        .real(vec![
+            ToolResponse::Error {
+                code: "insufficient_funds".into(),
+                message: "balance 20".into(),
+            },
+            ToolResponse::Success {
+                value: json!({"ok": true}),
+            },
+        ])
+}
+
+#[test]
+fn rehearsal_recalls_the_real_error_of_an_identical_call_instead_of_imagining_it() {
+    let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2));
+    p.memory.commit = CommitRule::BestBranch;
+    p.recall_errors = true;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        recall_script(),
+    );
+    let amounts: Vec<&Value> = r.real_calls().iter().map(|c| &c.arguments).collect();
+    assert_eq!(
+        amounts,
+        [&json!({"amount": 50}), &json!({"amount": 5})],
+        "the refused call is not committed again"
+    );
+    assert_eq!(
+        r.generates(GenRole::Simulator).len(),
+        3,
+        "one call recalled"
+    );
+    assert_eq!(r.outcome().stats.rehearsal_recalls, 1);
+    let recalled: Vec<&EventBody> = r
+        .events
+        .iter()
+        .map(|e| &e.event)
+        .filter(|e| matches!(e, EventBody::Simulated { recalled: true, .. }))
+        .collect();
+    assert_eq!(recalled.len(), 1);
+    let EventBody::Simulated { outcome, .. } = recalled[0] else {
+        unreachable!()
+    };
+    assert_eq!(
+        outcome.value(),
+        Some(json!({"error": {"code": "insufficient_funds", "message": "balance 20"}}))
+    );
+    assert_eq!(r.outcome().end, EndReason::Answered);
+    // The recalled flag survives the session round trip.
+    let s = r.as_session();
+    assert_eq!(
+        s.events
+            .iter()
+            .filter(|e| matches!(e.event, EventBody::Simulated { recalled: true, .. }))
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn without_recall_the_simulator_imagines_the_refused_call_and_it_is_retried() {
+    let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2));
+    p.memory.commit = CommitRule::BestBranch;
+    p.recall_errors = false;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        recall_script(),
+    );
+    assert_eq!(r.generates(GenRole::Simulator).len(), 4);
+    assert_eq!(r.outcome().stats.rehearsal_recalls, 0);
+    assert_eq!(r.real_calls()[1].arguments, json!({"amount": 50}));
+}
+
+#[test]
+fn an_irreversible_call_that_succeeds_clears_the_recalled_errors() {
+    let fifty = call_text("transfer", json!({"amount": 50}));
+    let ten = call_text("transfer", json!({"amount": 10}));
+    let mut p = pr(1, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1));
+    p.memory.commit = CommitRule::BestBranch;
+    p.recall_errors = true;
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            // One branch of depth 1 per rehearsal: each irreversible proposal costs one
+            // simulation unless it is recalled.
+            .actor_owned(vec![fifty.clone(), ten, fifty, "Done.".into()])
+            .real(vec![
+                ToolResponse::Error {
+                    code: "insufficient_funds".into(),
+                    message: "balance 20".into(),
+                },
+                ToolResponse::Success {
+                    value: json!({"ok": true}),
+                },
+                ToolResponse::Success {
+                    value: json!({"ok": true}),
+                },
+            ]),
+    );
+    // The second transfer 50 comes after a successful transfer: the state the refusal was
+    // observed in is gone, so the simulator is asked again.
+    assert_eq!(r.generates(GenRole::Simulator).len(), 3);
+    assert_eq!(r.outcome().stats.rehearsal_recalls, 0);
+    assert_eq!(r.real_calls().len(), 3);
+}
+
+#[test]
+fn the_siblings_first_steps_sample_at_the_explore_temperature() {
+    let mut p = pr(3, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1));
+    p.sampling.temperature = 0.3;
+    p.explore_temperature = Some(1.0);
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p.clone())),
+        Script::default().actor_owned(vec![
+            call_text("transfer", json!({"amount": 5})),
+            call_text("transfer", json!({"amount": 5})),
+            call_text("transfer", json!({"amount": 5})),
+        ]),
+    );
+    let branch_actor: Vec<f64> = r
+        .generates(GenRole::Actor)
+        .iter()
+        .filter(|g| g.branch.is_some())
+        .map(|g| g.sampling.temperature)
+        .collect();
+    assert_eq!(
+        branch_actor,
+        [1.0],
+        "one batched request for branches 1 and 2"
+    );
+    assert!(
+        r.generates(GenRole::Simulator)
+            .iter()
+            .all(|g| g.sampling.temperature == 0.3)
+    );
+    // Sequential branches ask one by one; the first step of each sibling explores, later
+    // imagined turns do not.
+    p.strategy = RehearsalStrategy::Sequential;
+    p.depth = RehearsalDepth::Turns(2);
+    let r = run(
+        spec(&["pay"]),
+        cfg(with_rehearsal(Mode::Real, p)),
+        Script::default()
+            .actor_owned(vec![
+                call_text("transfer", json!({"amount": 5})),
+                "imagined".into(),
+                call_text("transfer", json!({"amount": 5})),
+                "imagined".into(),
+                call_text("transfer", json!({"amount": 5})),
+                "imagined".into(),
+            ])
+            .sim(vec![result_text(json!({"ok": true})); 3]),
+    );
+    let temps: Vec<f64> = r
+        .generates(GenRole::Actor)
+        .iter()
+        .filter(|g| g.branch.is_some())
+        .map(|g| g.sampling.temperature)
+        .collect();
+    // Branch 0: its second turn (0.3). Branches 1 and 2: first step (1.0), second turn (0.3).
+    assert_eq!(temps, [0.3, 1.0, 0.3, 1.0, 0.3]);
 }
