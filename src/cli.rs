@@ -529,6 +529,10 @@ pub struct TrainArgs {
     /// advantage (0 = off), so tasks every episode of a group solves are reinforced too.
     #[arg(long, default_value_t = 0.0, value_name = "W")]
     pub imitation: f64,
+    /// Rehearse mode: a call that exactly matches one of the task's recorded gold calls gets
+    /// the recorded response; the simulator answers (and is trained on) the others.
+    #[arg(long)]
+    pub sim_recall: bool,
     /// Train on the first N train tasks of each domain only.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,

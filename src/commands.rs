@@ -448,6 +448,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         task_ids: a.tasks.clone(),
         negative_weight: a.negative_weight,
         imitation: a.imitation,
+        sim_recall: a.sim_recall,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

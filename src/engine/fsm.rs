@@ -167,6 +167,9 @@ pub struct EpisodeStats {
     /// Branch calls answered from an observed real error instead of the simulator.
     #[serde(default)]
     pub rehearsal_recalls: usize,
+    /// Rehearse mode: main-line calls answered from a recorded example (`recall_recorded`).
+    #[serde(default)]
+    pub recalled_calls: usize,
     /// Generated tokens, all roles and branches.
     pub generated_tokens: usize,
     /// Shadow-mode fidelity per tool.
@@ -959,6 +962,23 @@ impl Engine {
         let Some(q) = st.calls.get(st.next).cloned() else {
             return self.actor_turn(None);
         };
+        if matches!(self.cfg.mode, Mode::Rehearse)
+            && self.cfg.recall_recorded
+            && let Some(value) = self.recorded_response(&q.call)
+        {
+            self.stats.recalled_calls += 1;
+            let outcome = SimulatedOutcome::Parsed {
+                output: SimOutput::Result { value },
+            };
+            self.persist(EventBody::Simulated {
+                call_id: q.id.clone(),
+                call: q.call.clone(),
+                outcome: outcome.clone(),
+                think: None,
+                recalled: true,
+            });
+            return self.after_main_simulation(st, q, outcome);
+        }
         match self.cfg.mode {
             Mode::Rehearse | Mode::Shadow(_) => {
                 let prompt = simulator_prompt(
@@ -1012,12 +1032,7 @@ impl Engine {
         }
     }
 
-    fn on_main_simulation(
-        &mut self,
-        mut st: CallsState,
-        req: Pending,
-        generations: Vec<Generation>,
-    ) {
+    fn on_main_simulation(&mut self, st: CallsState, req: Pending, generations: Vec<Generation>) {
         let Some(g) = generations.into_iter().next() else {
             return self.end(EndReason::Failed {
                 message: "the model returned no generation".into(),
@@ -1037,6 +1052,25 @@ impl Engine {
             think,
             recalled: false,
         });
+        self.after_main_simulation(st, q, outcome);
+    }
+
+    /// The response of the recorded example whose call is exactly `call` (rehearse mode's
+    /// `recall_recorded`).
+    fn recorded_response(&self, call: &ToolCall) -> Option<Value> {
+        self.examples
+            .iter()
+            .find(|e| e.name == call.name && e.arguments == call.arguments)
+            .map(|e| e.response.clone())
+    }
+
+    /// Go on from a main-line simulated outcome: the gate (shadow mode) or the actor sees it.
+    fn after_main_simulation(
+        &mut self,
+        mut st: CallsState,
+        q: QueuedCall,
+        outcome: SimulatedOutcome,
+    ) {
         match self.cfg.mode {
             Mode::Shadow(_) => self.gate(st, Some(outcome)),
             Mode::Real(_) => self.end(EndReason::Failed {

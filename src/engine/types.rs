@@ -314,6 +314,14 @@ pub struct EngineConfig {
     pub sim_prompt: SimPromptConfig,
     /// Add real responses seen in this episode to the simulator's few-shot pool.
     pub learn_examples_from_real: bool,
+    /// Rehearse mode: a call that exactly matches a recorded example (same name and arguments)
+    /// gets the recorded response instead of a simulation; the simulator answers only the
+    /// calls the record does not cover. Off by default (the paper's simulator answers every
+    /// call); measured in docs/TRAINING.md: the bundled simulator rewrites even an exactly
+    /// matching recorded response (a booking's `active` became `cancelled`), and GRPO then
+    /// rewards the actor for answers that ignore what the tool said.
+    #[serde(default)]
+    pub recall_recorded: bool,
 }
 
 impl Default for EngineConfig {
@@ -334,6 +342,7 @@ impl Default for EngineConfig {
             simulator_thinking: false,
             sim_prompt: SimPromptConfig::default(),
             learn_examples_from_real: true,
+            recall_recorded: false,
         }
     }
 }

@@ -122,6 +122,11 @@ pub struct GrpoConfig {
     /// are still reinforced while other groups' updates move the shared weights under them.
     #[serde(default)]
     pub imitation: f64,
+    /// Rehearse-mode rollouts answer a call that exactly matches one of the task's recorded
+    /// gold calls with the recorded response (`EngineConfig::recall_recorded`); the simulator
+    /// is trained on the calls the record does not cover. Off by default.
+    #[serde(default)]
+    pub sim_recall: bool,
 }
 
 fn default_negative_weight() -> f64 {
@@ -173,6 +178,7 @@ impl Default for GrpoConfig {
             task_ids: Vec::new(),
             negative_weight: default_negative_weight(),
             imitation: 0.0,
+            sim_recall: false,
         }
     }
 }
@@ -707,6 +713,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                 let mut ecfg = engine_config(&opts, profile.as_ref())
                     .map_err(|e| TrainError::Data(e.to_string()))?;
                 ecfg.simulator_sampling.temperature = cfg.sim_temperature;
+                ecfg.recall_recorded = cfg.sim_recall;
                 let domain = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
                 // Rehearse: the simulator sees the task's recorded gold run (as in EnvACE).
                 let spec = task_spec(task, cfg.mode == ModeChoice::Rehearse)

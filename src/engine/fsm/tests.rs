@@ -1998,3 +1998,56 @@ fn the_siblings_first_steps_sample_at_the_explore_temperature() {
     // Branch 0: its second turn (0.3). Branches 1 and 2: first step (1.0), second turn (0.3).
     assert_eq!(temps, [0.3, 1.0, 0.3, 1.0, 0.3]);
 }
+
+#[test]
+fn rehearse_mode_recalls_recorded_responses_for_exactly_matching_calls_when_asked() {
+    let recorded = RecordedExample {
+        name: "transfer".into(),
+        arguments: json!({"amount": 5}),
+        response: json!({"tx": "tx_9"}),
+    };
+    let mut s = spec(&["pay"]);
+    s.examples = vec![recorded];
+    let script = || {
+        Script::default()
+            .actor_owned(vec![
+                call_text("transfer", json!({"amount": 5})),
+                call_text("transfer", json!({"amount": 7})),
+                "Paid.".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"tx": "tx_imagined"})),
+                result_text(json!({"tx": "tx_other"})),
+            ])
+    };
+    let mut c = cfg(Mode::Rehearse);
+    c.recall_recorded = true;
+    let r = run(s.clone(), c, script());
+    // The recorded call is answered from the record; the other one by the simulator.
+    let sims = r.generates(GenRole::Simulator);
+    assert_eq!(sims.len(), 1);
+    let shown: Vec<(bool, Option<Value>)> = r
+        .events
+        .iter()
+        .filter_map(|e| match &e.event {
+            EventBody::Simulated {
+                outcome, recalled, ..
+            } => Some((*recalled, outcome.value())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            (true, Some(json!({"tx": "tx_9"}))),
+            (false, Some(json!({"tx": "tx_imagined"})))
+        ]
+    );
+    assert_eq!(r.outcome().stats.recalled_calls, 1);
+    assert_eq!(r.outcome().stats.simulated_calls, 2);
+    assert!(r.real_calls().is_empty(), "rehearse mode never reaches the environment");
+    // Off (the default): the simulator answers both.
+    let r = run(s, cfg(Mode::Rehearse), script());
+    assert_eq!(r.generates(GenRole::Simulator).len(), 2);
+    assert_eq!(r.outcome().stats.recalled_calls, 0);
+}
