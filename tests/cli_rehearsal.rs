@@ -1,5 +1,6 @@
 //! The Private Rehearsal knobs of the CLI (`--memory-format`, `--memory-select`,
-//! `--memory-placement`, `--rehearsal-depth`, `--rehearsal-temperature`) reach the engine, and bad
+//! `--memory-placement`, `--rehearsal-depth`, `--rehearsal-temperature`, `--rehearsal-explore`,
+//! `--rehearsal-recall`) reach the engine, and bad
 //! values are refused with a message naming the flag.
 #![allow(clippy::unwrap_used)]
 
@@ -18,6 +19,9 @@ fn bad_rehearsal_flags_name_the_flag() {
         ("--memory-select", "success-first:0", "not a count"),
         ("--rehearsal-depth", "0", "--rehearsal-depth `0`"),
         ("--rehearsal-temperature", "-1", "--rehearsal-temperature"),
+        ("--rehearsal-explore", "-0.5", "--rehearsal-explore"),
+        ("--rehearsal-explore", "NaN", "--rehearsal-explore"),
+        ("--rehearsal-recall", "maybe", "--rehearsal-recall"),
     ] {
         let out = envace()
             .args(["run", "--env", "bank", "--task", "bank-test-0001"])
@@ -55,6 +59,10 @@ fn memory_format_and_depth_reach_the_session() {
                 "1",
                 "--rehearsal-temperature",
                 "0.5",
+                "--rehearsal-explore",
+                "0.9",
+                "--rehearsal-recall",
+                "false",
                 "--out",
             ])
             .arg(&out)
@@ -69,6 +77,8 @@ fn memory_format_and_depth_reach_the_session() {
     assert_eq!(pr["memory"]["format"], "full", "{pr}");
     assert_eq!(pr["depth"]["turns"], 1, "{pr}");
     assert_eq!(pr["sampling"]["temperature"], 0.5, "{pr}");
+    assert_eq!(pr["explore_temperature"], 0.9, "{pr}");
+    assert_eq!(pr["recall_errors"], false, "{pr}");
     assert!(
         full.contains("\"type\":\"rehearsal_memory\",\"text\":\"Attempt 1"),
         "full memory format"

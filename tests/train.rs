@@ -286,6 +286,82 @@ fn the_kl_term_trains_every_row_and_the_policy_term_only_rows_with_signal() {
     assert!((a - b).abs() <= 1e-4 * a.abs().max(1e-3), "{a} vs {b}");
 }
 
+#[test]
+fn self_imitation_gives_signal_to_groups_that_all_succeeded() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::grpo::GrpoConfig;
+    let run = |imitation: f64| {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = GrpoConfig {
+            steps: 1,
+            batch: 3,
+            group: 2,
+            imitation,
+            mode: ModeChoice::Real,
+            task_ids: vec![
+                "bank-train-0000".into(),
+                "bank-train-0001".into(),
+                "bank-train-0002".into(),
+            ],
+            ..Default::default()
+        };
+        grpo_on_bundled(&cfg, out.path()).unwrap().steps[0].clone()
+    };
+    let (off, on) = (run(0.0), run(0.5));
+    let get = |m: &envace::train::metrics::StepMetrics, k: &str| m.get(k).unwrap();
+    assert_eq!(get(&off, "rows"), get(&on, "rows"), "same rollouts");
+    assert!(get(&off, "rows_with_signal") < get(&off, "rows"), "{off:?}");
+    // The rows of successful episodes in groups without advantage now carry the bonus.
+    assert!(
+        get(&on, "rows_with_signal") > get(&off, "rows_with_signal"),
+        "{off:?} / {on:?}"
+    );
+    assert_eq!(get(&on, "rows_trained"), get(&on, "rows_with_signal"));
+}
+
+#[test]
+fn sim_recall_answers_recorded_calls_from_the_record_in_rollouts() {
+    use envace::engine::runner::ModeChoice;
+    use envace::session::EventBody;
+    use envace::train::grpo::GrpoConfig;
+    let out = tempfile::tempdir().unwrap();
+    let rollouts = out.path().join("rollouts");
+    // A status question: its one gold call is `get_booking`, recorded with the true status.
+    let cfg = GrpoConfig {
+        domains: vec!["travel".into()],
+        steps: 1,
+        batch: 1,
+        group: 2,
+        mode: ModeChoice::Rehearse,
+        sim_recall: true,
+        task_ids: vec!["travel-train-0026".into()],
+        rollouts_dir: Some(rollouts.clone()),
+        ..Default::default()
+    };
+    grpo_on_bundled(&cfg, out.path()).unwrap();
+    let mut recalled = 0;
+    for f in std::fs::read_dir(rollouts.join("step-0000")).unwrap() {
+        let s = envace::session::read_session(&f.unwrap().path()).unwrap();
+        for e in &s.events {
+            if let EventBody::Simulated {
+                call,
+                outcome,
+                recalled: true,
+                ..
+            } = &e.event
+            {
+                assert_eq!(call.name, "get_booking");
+                assert_eq!(outcome.value().unwrap()["status"], "active");
+                recalled += 1;
+            }
+        }
+    }
+    assert!(
+        recalled >= 2,
+        "each episode's lookup is recalled: {recalled}"
+    );
+}
+
 /// Run GRPO with `cfg` on the bundled model into `out`; the step metrics, or the error.
 fn grpo_on_bundled(
     cfg: &envace::train::grpo::GrpoConfig,

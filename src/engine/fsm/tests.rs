@@ -2045,7 +2045,10 @@ fn rehearse_mode_recalls_recorded_responses_for_exactly_matching_calls_when_aske
     );
     assert_eq!(r.outcome().stats.recalled_calls, 1);
     assert_eq!(r.outcome().stats.simulated_calls, 2);
-    assert!(r.real_calls().is_empty(), "rehearse mode never reaches the environment");
+    assert!(
+        r.real_calls().is_empty(),
+        "rehearse mode never reaches the environment"
+    );
     // Off (the default): the simulator answers both.
     let r = run(s, cfg(Mode::Rehearse), script());
     assert_eq!(r.generates(GenRole::Simulator).len(), 2);
