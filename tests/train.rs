@@ -341,7 +341,7 @@ fn sim_recall_answers_recorded_calls_from_the_record_in_rollouts() {
     grpo_on_bundled(&cfg, out.path()).unwrap();
     let mut recalled = 0;
     for f in std::fs::read_dir(rollouts.join("step-0000")).unwrap() {
-        let s = envace::session::read_session(&f.unwrap().path()).unwrap();
+        let s = envace::session::read_session(f.unwrap().path()).unwrap();
         for e in &s.events {
             if let EventBody::Simulated {
                 call,
