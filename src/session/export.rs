@@ -286,10 +286,12 @@ fn describe(ev: &EventBody) -> String {
             call_id,
             call,
             outcome,
+            recalled,
             ..
         } => match outcome.value() {
             Some(v) => format!(
-                "simulated {}[{call_id}] → {}",
+                "{} {}[{call_id}] → {}",
+                if *recalled { "recalled" } else { "simulated" },
                 call.name,
                 cut(&v.to_string(), 300)
             ),

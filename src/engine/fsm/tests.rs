@@ -1881,8 +1881,10 @@ fn rehearsal_recalls_the_real_error_of_an_identical_call_instead_of_imagining_it
         Some(json!({"error": {"code": "insufficient_funds", "message": "balance 20"}}))
     );
     assert_eq!(r.outcome().end, EndReason::Answered);
-    // The recalled flag survives the session round trip.
+    // The recalled flag survives the session round trip, and the replay says so.
     let s = r.as_session();
+    let text = crate::session::render_replay(&s);
+    assert!(text.contains("recalled transfer[call_"), "{text}");
     assert_eq!(
         s.events
             .iter()
