@@ -533,6 +533,9 @@ pub struct TrainArgs {
     /// the recorded response; the simulator answers (and is trained on) the others.
     #[arg(long)]
     pub sim_recall: bool,
+    /// The roles whose rows GRPO trains (comma-separated): actor, simulator.
+    #[arg(long, default_value = "actor,simulator")]
+    pub roles: String,
     /// Train on the first N train tasks of each domain only.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,

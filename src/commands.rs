@@ -449,6 +449,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         negative_weight: a.negative_weight,
         imitation: a.imitation,
         sim_recall: a.sim_recall,
+        roles: envace::train::data::parse_roles(&a.roles)?,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -362,6 +362,31 @@ fn sim_recall_answers_recorded_calls_from_the_record_in_rollouts() {
     );
 }
 
+#[test]
+fn grpo_trains_only_the_roles_it_is_given() {
+    use envace::engine::runner::ModeChoice;
+    use envace::engine::types::GenRole;
+    use envace::train::grpo::GrpoConfig;
+    let run = |roles: Vec<GenRole>| {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = GrpoConfig {
+            steps: 1,
+            batch: 2,
+            group: 3,
+            mode: ModeChoice::Rehearse,
+            roles,
+            ..Default::default()
+        };
+        grpo_on_bundled(&cfg, out.path()).unwrap().steps[0].clone()
+    };
+    let both = run(vec![GenRole::Actor, GenRole::Simulator]);
+    let actor = run(vec![GenRole::Actor]);
+    let get = |m: &envace::train::metrics::StepMetrics, k: &str| m.get(k).unwrap();
+    assert_eq!(get(&both, "rows"), get(&actor, "rows"), "same rollouts");
+    let (b, a) = (get(&both, "rows_trained"), get(&actor, "rows_trained"));
+    assert!(a > 0.0 && a < b, "actor-only {a} of {b} rows trained");
+}
+
 /// Run GRPO with `cfg` on the bundled model into `out`; the step metrics, or the error.
 fn grpo_on_bundled(
     cfg: &envace::train::grpo::GrpoConfig,

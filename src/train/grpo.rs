@@ -127,6 +127,14 @@ pub struct GrpoConfig {
     /// is trained on the calls the record does not cover. Off by default.
     #[serde(default)]
     pub sim_recall: bool,
+    /// The roles whose rows the loss trains (default both; `[Actor]` keeps the simulator role
+    /// as it is while it still answers the rollouts' calls — an ablation of joint training).
+    #[serde(default = "default_roles")]
+    pub roles: Vec<GenRole>,
+}
+
+fn default_roles() -> Vec<GenRole> {
+    vec![GenRole::Actor, GenRole::Simulator]
 }
 
 fn default_negative_weight() -> f64 {
@@ -179,6 +187,7 @@ impl Default for GrpoConfig {
             negative_weight: default_negative_weight(),
             imitation: 0.0,
             sim_recall: false,
+            roles: default_roles(),
         }
     }
 }
@@ -783,7 +792,11 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         let signal = |r: &ScoredRow| row_weight(r, cfg) != 0.0;
         let mut active: Vec<&ScoredRow> = rows
             .iter()
-            .filter(|r| (cfg.kl_coef > 0.0 || signal(r)) && !r.row.response_ids.is_empty())
+            .filter(|r| {
+                (cfg.kl_coef > 0.0 || signal(r))
+                    && !r.row.response_ids.is_empty()
+                    && cfg.roles.contains(&r.row.role)
+            })
             .collect();
         // Similar lengths together: a micro-batch is padded to its longest row.
         active.sort_by_key(|r| r.row.prompt_ids.len() + r.row.response_ids.len());
