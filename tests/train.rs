@@ -247,26 +247,12 @@ fn a_grpo_step_runs_on_the_bundled_model_and_checkpoints() {
 
 #[test]
 fn the_kl_term_trains_every_row_and_the_policy_term_only_rows_with_signal() {
-    use envace::engine::runner::ModeChoice;
     use envace::train::grpo::GrpoConfig;
-    // Balance questions the bundled model answers reliably: a group that all succeeds has no
-    // advantage, so some rows carry no signal (asserted below, or the test would prove nothing).
     let run = |kl: f64| {
-        let out = tempfile::tempdir().unwrap();
-        let cfg = GrpoConfig {
-            steps: 1,
-            batch: 3,
-            group: 2,
+        balance_step(GrpoConfig {
             kl_coef: kl,
-            mode: ModeChoice::Real,
-            task_ids: vec![
-                "bank-train-0000".into(),
-                "bank-train-0001".into(),
-                "bank-train-0002".into(),
-            ],
             ..Default::default()
-        };
-        grpo_on_bundled(&cfg, out.path()).unwrap().steps[0].clone()
+        })
     };
     let (off, on) = (run(0.0), run(0.1));
     let get = |m: &envace::train::metrics::StepMetrics, k: &str| m.get(k).unwrap();
@@ -288,24 +274,12 @@ fn the_kl_term_trains_every_row_and_the_policy_term_only_rows_with_signal() {
 
 #[test]
 fn self_imitation_gives_signal_to_groups_that_all_succeeded() {
-    use envace::engine::runner::ModeChoice;
     use envace::train::grpo::GrpoConfig;
     let run = |imitation: f64| {
-        let out = tempfile::tempdir().unwrap();
-        let cfg = GrpoConfig {
-            steps: 1,
-            batch: 3,
-            group: 2,
+        balance_step(GrpoConfig {
             imitation,
-            mode: ModeChoice::Real,
-            task_ids: vec![
-                "bank-train-0000".into(),
-                "bank-train-0001".into(),
-                "bank-train-0002".into(),
-            ],
             ..Default::default()
-        };
-        grpo_on_bundled(&cfg, out.path()).unwrap().steps[0].clone()
+        })
     };
     let (off, on) = (run(0.0), run(0.5));
     let get = |m: &envace::train::metrics::StepMetrics, k: &str| m.get(k).unwrap();
@@ -385,6 +359,26 @@ fn grpo_trains_only_the_roles_it_is_given() {
     assert_eq!(get(&both, "rows"), get(&actor, "rows"), "same rollouts");
     let (b, a) = (get(&both, "rows_trained"), get(&actor, "rows_trained"));
     assert!(a > 0.0 && a < b, "actor-only {a} of {b} rows trained");
+}
+
+/// One real-mode GRPO step (group 2) on three balance questions the bundled model answers
+/// reliably, so some groups all succeed and their rows carry no GRPO advantage (the tests that
+/// use it assert that, or they would prove nothing); `cfg` supplies the knob under test.
+fn balance_step(cfg: envace::train::grpo::GrpoConfig) -> envace::train::metrics::StepMetrics {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = envace::train::grpo::GrpoConfig {
+        steps: 1,
+        batch: 3,
+        group: 2,
+        mode: envace::engine::runner::ModeChoice::Real,
+        task_ids: vec![
+            "bank-train-0000".into(),
+            "bank-train-0001".into(),
+            "bank-train-0002".into(),
+        ],
+        ..cfg
+    };
+    grpo_on_bundled(&cfg, out.path()).unwrap().steps[0].clone()
 }
 
 /// Run GRPO with `cfg` on the bundled model into `out`; the step metrics, or the error.
@@ -647,6 +641,24 @@ fn random_entity_groups_play_randomized_copies_and_bad_fractions_are_refused() {
         let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
         assert!(err.contains("--imitation"), "{err}");
     }
+    let cfg = GrpoConfig {
+        random_entities: 0.0,
+        roles: Vec::new(),
+        ..cfg.clone()
+    };
+    let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
+    assert!(err.contains("--roles"), "{err}");
+    let cfg = GrpoConfig {
+        roles: vec![envace::engine::types::GenRole::Actor],
+        sim_recall: true,
+        mode: ModeChoice::Real,
+        ..cfg
+    };
+    let err = grpo_on_bundled(&cfg, out.path()).err().unwrap().to_string();
+    assert!(
+        err.contains("`--sim-recall` needs `--mode rehearse`"),
+        "{err}"
+    );
 }
 
 /// Run the envace binary from the repository root; its output, whatever the exit status.

@@ -214,6 +214,8 @@ pub enum EngineError {
     NoBranches,
     #[error("rehearsal depth must be at least 1 turn")]
     ZeroDepth,
+    #[error("rehearsal explore_temperature {0}: a finite temperature ≥ 0")]
+    BadExploreTemperature(f64),
     /// A played history (see [`Engine::with_history`]) that the engine could not have produced.
     #[error("history message {index}: {message}")]
     BadHistory { index: usize, message: String },
@@ -484,6 +486,11 @@ impl Engine {
             }
             if pr.depth == RehearsalDepth::Turns(0) {
                 return Err(EngineError::ZeroDepth);
+            }
+            if let Some(t) = pr.explore_temperature
+                && !(t.is_finite() && t >= 0.0)
+            {
+                return Err(EngineError::BadExploreTemperature(t));
             }
         }
         Ok(Self {

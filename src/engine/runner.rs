@@ -63,15 +63,11 @@ pub struct RehearsalTuning {
     /// Sampling temperature of the imagined turns and simulations.
     pub temperature: f64,
     /// See [`PrivateRehearsal::recall_errors`].
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::engine::types::default_recall_errors")]
     pub recall_errors: bool,
     /// See [`PrivateRehearsal::explore_temperature`].
     #[serde(default)]
     pub explore_temperature: Option<f64>,
-}
-
-fn default_true() -> bool {
-    true
 }
 
 impl Default for RehearsalTuning {

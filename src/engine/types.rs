@@ -117,7 +117,7 @@ pub struct PrivateRehearsal {
     pub explore_temperature: Option<f64>,
 }
 
-fn default_recall_errors() -> bool {
+pub(crate) fn default_recall_errors() -> bool {
     true
 }
 

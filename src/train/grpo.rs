@@ -589,6 +589,18 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             cfg.imitation
         )));
     }
+    if cfg.roles.is_empty() {
+        return Err(TrainError::Data(
+            "roles: no role to train (`--roles actor,simulator`)".into(),
+        ));
+    }
+    if cfg.sim_recall && cfg.mode != ModeChoice::Rehearse {
+        return Err(TrainError::Data(format!(
+            "sim_recall answers simulated calls from the record; mode {:?} simulates none \
+             (`--sim-recall` needs `--mode rehearse`)",
+            cfg.mode
+        )));
+    }
     if !(0.0..=1.0).contains(&cfg.random_entities) {
         return Err(TrainError::Data(format!(
             "random_entities {}: a fraction between 0 and 1 (`--random-entities`)",

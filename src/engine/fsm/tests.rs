@@ -297,6 +297,15 @@ fn engine_rejects_invalid_inputs() {
         Engine::new(spec(&["x"]), c).err(),
         Some(EngineError::ZeroDepth)
     );
+    for bad in [-0.5, f64::INFINITY, f64::NAN] {
+        let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1));
+        p.explore_temperature = Some(bad);
+        let err = Engine::new(spec(&["x"]), cfg(with_rehearsal(Mode::Real, p))).err();
+        assert!(
+            matches!(err, Some(EngineError::BadExploreTemperature(_))),
+            "{bad}: {err:?}"
+        );
+    }
 }
 
 // ---- start and answers --------------------------------------------------------------------
@@ -1844,16 +1853,21 @@ fn recall_script() -> Script {
         ])
 }
 
-#[test]
-fn rehearsal_recalls_the_real_error_of_an_identical_call_instead_of_imagining_it() {
+/// [`recall_script`] in the real environment with two best-branch branches of depth 2.
+fn run_recall_script(recall_errors: bool) -> Run {
     let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2));
     p.memory.commit = CommitRule::BestBranch;
-    p.recall_errors = true;
-    let r = run(
+    p.recall_errors = recall_errors;
+    run(
         spec(&["pay"]),
         cfg(with_rehearsal(Mode::Real, p)),
         recall_script(),
-    );
+    )
+}
+
+#[test]
+fn rehearsal_recalls_the_real_error_of_an_identical_call_instead_of_imagining_it() {
+    let r = run_recall_script(true);
     let amounts: Vec<&Value> = r.real_calls().iter().map(|c| &c.arguments).collect();
     assert_eq!(
         amounts,
@@ -1896,14 +1910,7 @@ fn rehearsal_recalls_the_real_error_of_an_identical_call_instead_of_imagining_it
 
 #[test]
 fn without_recall_the_simulator_imagines_the_refused_call_and_it_is_retried() {
-    let mut p = pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(2));
-    p.memory.commit = CommitRule::BestBranch;
-    p.recall_errors = false;
-    let r = run(
-        spec(&["pay"]),
-        cfg(with_rehearsal(Mode::Real, p)),
-        recall_script(),
-    );
+    let r = run_recall_script(false);
     assert_eq!(r.generates(GenRole::Simulator).len(), 4);
     assert_eq!(r.outcome().stats.rehearsal_recalls, 0);
     assert_eq!(r.real_calls()[1].arguments, json!({"amount": 50}));
