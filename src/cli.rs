@@ -536,6 +536,10 @@ pub struct TrainArgs {
     /// The roles whose rows GRPO trains (comma-separated): actor, simulator.
     #[arg(long, default_value = "actor,simulator")]
     pub roles: String,
+    /// Leave the tokens of values copied from the conversation (a status from a tool response,
+    /// an id from the request) out of the policy term: RL trains the decisions.
+    #[arg(long)]
+    pub mask_copies: bool,
     /// Train on the first N train tasks of each domain only.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,

@@ -450,6 +450,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         imitation: a.imitation,
         sim_recall: a.sim_recall,
         roles: envace::train::data::parse_roles(&a.roles)?,
+        mask_copies: a.mask_copies,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

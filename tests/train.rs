@@ -361,6 +361,34 @@ fn grpo_trains_only_the_roles_it_is_given() {
     assert!(a > 0.0 && a < b, "actor-only {a} of {b} rows trained");
 }
 
+#[test]
+fn the_copy_mask_leaves_copied_values_out_of_the_policy_term_only() {
+    use envace::train::grpo::GrpoConfig;
+    let run = |mask_copies: bool| {
+        balance_step(GrpoConfig {
+            mask_copies,
+            kl_coef: 0.1,
+            // Every episode of these groups succeeds: the imitation bonus gives the rows the
+            // policy signal the mask acts on.
+            imitation: 0.5,
+            ..Default::default()
+        })
+    };
+    let (off, on) = (run(false), run(true));
+    let get = |m: &envace::train::metrics::StepMetrics, k: &str| m.get(k).unwrap();
+    assert_eq!(get(&off, "rows"), get(&on, "rows"), "same rollouts");
+    assert!(off.get("copy_masked_frac").is_none(), "{off:?}");
+    // Balance answers copy the account and the amount from the question and the tool response.
+    let f = get(&on, "copy_masked_frac");
+    assert!(f > 0.1 && f < 0.9, "masked fraction {f}");
+    // The same rows are trained (the KL term covers all of them); the policy term's gradient
+    // comes from fewer tokens (its loss, a mean of ratio × weight, is the same at ratio 1).
+    assert_eq!(get(&off, "rows_trained"), get(&on, "rows_trained"));
+    assert!(get(&on, "rows_with_signal") > 0.0, "{on:?}");
+    let (a, b) = (get(&off, "grad_norm"), get(&on, "grad_norm"));
+    assert!((a - b).abs() > 1e-3 * a, "grad norm {a} vs {b}");
+}
+
 /// One real-mode GRPO step (group 2) on three balance questions the bundled model answers
 /// reliably, so some groups all succeed and their rows carry no GRPO advantage (the tests that
 /// use it assert that, or they would prove nothing); `cfg` supplies the knob under test.

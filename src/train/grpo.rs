@@ -131,6 +131,11 @@ pub struct GrpoConfig {
     /// as it is while it still answers the rollouts' calls — an ablation of joint training).
     #[serde(default = "default_roles")]
     pub roles: Vec<GenRole>,
+    /// Leave the tokens of values copied from the conversation out of the policy term
+    /// ([`super::copymask`]): RL trains the decisions, not which value came back. Off by
+    /// default.
+    #[serde(default)]
+    pub mask_copies: bool,
 }
 
 fn default_roles() -> Vec<GenRole> {
@@ -188,6 +193,7 @@ impl Default for GrpoConfig {
             imitation: 0.0,
             sim_recall: false,
             roles: default_roles(),
+            mask_copies: false,
         }
     }
 }
@@ -197,6 +203,17 @@ impl Default for GrpoConfig {
 pub struct ScoredRow {
     pub row: TrainingRow,
     pub advantage: f64,
+    /// The policy term's token mask when it differs from the row's loss mask
+    /// ([`GrpoConfig::mask_copies`]: copied values left out); the KL and entropy terms keep
+    /// the loss mask.
+    pub policy_mask: Option<Vec<u8>>,
+}
+
+impl ScoredRow {
+    /// The mask the policy term trains on.
+    pub fn policy_mask(&self) -> &[u8] {
+        self.policy_mask.as_deref().unwrap_or(&self.row.loss_mask)
+    }
 }
 
 /// Role-wise advantages for one group (the G episodes of one task): each row's reward minus
@@ -227,6 +244,7 @@ pub fn role_advantages(group: &[Vec<TrainingRow>]) -> Vec<ScoredRow> {
             ScoredRow {
                 advantage: r.reward.unwrap_or(0.0) - b,
                 row: r.clone(),
+                policy_mask: None,
             }
         })
         .collect()
@@ -346,6 +364,22 @@ fn micro_loss(
         .collect();
     let refs: Vec<&Example> = examples.iter().collect();
     let (ids, mask) = batch_tensors(&refs, dev)?;
+    let policy_mask = if rows.iter().any(|r| r.policy_mask.is_some()) {
+        let examples: Vec<Example> = rows
+            .iter()
+            .map(|r| {
+                let mut ids = r.row.prompt_ids.clone();
+                ids.extend_from_slice(&r.row.response_ids);
+                let mut mask = vec![0.0; r.row.prompt_ids.len()];
+                mask.extend(r.policy_mask().iter().map(|&m| f32::from(m)));
+                Example { ids, mask }
+            })
+            .collect();
+        let refs: Vec<&Example> = examples.iter().collect();
+        batch_tensors(&refs, dev)?.1
+    } else {
+        mask.clone()
+    };
     let (b, t1) = mask.dims2()?;
     // Advantages and rollout logprobs laid out like the mask.
     let mut adv = vec![0f32; b * t1];
@@ -372,7 +406,7 @@ fn micro_loss(
         .to_scalar::<f32>()? as f64;
     let clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)?;
     let surrogate = (&ratio * &adv)?.minimum(&(clipped * &adv)?)?;
-    let mut loss = ((surrogate * &mask)?.sum_all()?.neg()? / norms.policy.max(1.0))?;
+    let mut loss = ((surrogate * &policy_mask)?.sum_all()?.neg()? / norms.policy.max(1.0))?;
     let mut kl_v = 0.0;
     if let Some(reference) = reference
         && cfg.kl_coef > 0.0
@@ -682,6 +716,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     let mut stopped = "steps".to_string();
     let mut history: Vec<f64> = Vec::new();
     let tok_json = model_dir.join("tokenizer.json");
+    let end_of_turn = base.tokenizer.token_to_id(&base.template.eos_token);
     while step < cfg.steps {
         if cancel.is_cancelled() {
             stopped = "cancelled".into();
@@ -783,7 +818,24 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         }
         episodes += n_eps;
         let mean_reward = reward_sum / n_eps.max(1) as f64;
-        let rows: Vec<ScoredRow> = groups.iter().flat_map(|g| role_advantages(g)).collect();
+        let mut rows: Vec<ScoredRow> = groups.iter().flat_map(|g| role_advantages(g)).collect();
+        // Fraction of generated tokens the copy mask leaves out of the policy term.
+        let mut copy_masked: Option<f64> = None;
+        if cfg.mask_copies {
+            let (mut kept, mut total) = (0usize, 0usize);
+            for r in &mut rows {
+                r.policy_mask = super::copymask::copy_mask(
+                    &base.tokenizer,
+                    end_of_turn,
+                    &r.row.prompt_ids,
+                    &r.row.response_ids,
+                )
+                .map(|m| m.iter().zip(&r.row.loss_mask).map(|(a, b)| a & b).collect());
+                total += r.row.loss_mask.iter().filter(|&&m| m == 1).count();
+                kept += r.policy_mask().iter().filter(|&&m| m == 1).count();
+            }
+            copy_masked = Some(1.0 - kept as f64 / total.max(1) as f64);
+        }
         let role_mean = |role: GenRole| {
             let v: Vec<f64> = rows
                 .iter()
@@ -813,8 +865,10 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         // Similar lengths together: a micro-batch is padded to its longest row.
         active.sort_by_key(|r| r.row.prompt_ids.len() + r.row.response_ids.len());
         let tokens = |r: &&ScoredRow| r.row.loss_mask.iter().map(|&m| f64::from(m)).sum::<f64>();
+        let policy_tokens =
+            |r: &&ScoredRow| r.policy_mask().iter().map(|&m| f64::from(m)).sum::<f64>();
         let norms = Norms {
-            policy: active.iter().filter(|r| signal(r)).map(tokens).sum(),
+            policy: active.iter().filter(|r| signal(r)).map(policy_tokens).sum(),
             all: active.iter().map(tokens).sum(),
         };
         let with_signal = active.iter().filter(|r| signal(r)).count();
@@ -920,6 +974,9 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             .with("seconds", secs);
         if let Some(g) = grounding_nll {
             metrics = metrics.with("grounding_nll", g);
+        }
+        if let Some(f) = copy_masked {
+            metrics = metrics.with("copy_masked_frac", f);
         }
         // Simulator fidelity (mean value agreement with the real response): shadow/real only.
         if fid_n > 0 {
@@ -1083,6 +1140,7 @@ mod tests {
     #[test]
     fn micro_batches_count_padded_tokens() {
         let scored = |n: usize| ScoredRow {
+            policy_mask: None,
             row: TrainingRow {
                 prompt_ids: vec![1; n - 1],
                 ..row(GenRole::Actor, 1.0)

@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod copymask;
 pub mod data;
 pub mod grpo;
 pub mod lora;
