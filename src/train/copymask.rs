@@ -22,9 +22,9 @@ fn words(text: &str) -> Vec<(usize, usize)> {
     let mut start: Option<usize> = None;
     let push = |s: usize, e: usize, out: &mut Vec<(usize, usize)>| {
         let w = &text[s..e];
-        let trimmed = w.trim_matches(|c| c == '.' || c == '-');
+        let trimmed = w.trim_matches(['.', '-']);
         if !trimmed.is_empty() {
-            let lead = w.len() - w.trim_start_matches(|c| c == '.' || c == '-').len();
+            let lead = w.len() - w.trim_start_matches(['.', '-']).len();
             out.push((s + lead, s + lead + trimmed.len()));
         }
     };
