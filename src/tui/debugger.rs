@@ -157,8 +157,16 @@ pub fn summary(e: &EventRecord) -> String {
             }
         }
         EventBody::Format { format } => format!("format: {}", clip(&format!("{format:?}"), 90)),
-        EventBody::Simulated { call, outcome, .. } => format!(
-            "simulated {} → {}",
+        EventBody::Simulated {
+            call,
+            outcome,
+            recalled,
+            ..
+        } => format!(
+            // A recalled branch call was answered from the real error already observed, not
+            // by the simulator.
+            "{} {} → {}",
+            if *recalled { "recalled" } else { "simulated" },
             call.name,
             clip(&super::episode::outcome_line(outcome), 80)
         ),
@@ -458,6 +466,27 @@ mod tests {
         let p = d.primary.as_ref().unwrap();
         assert_eq!(f.at_event, p.step(d.cursor).unwrap().id);
         assert!(DebuggerTab::default().fork_request(None).is_err());
+    }
+
+    #[test]
+    fn recalled_branch_calls_are_not_labelled_simulated() {
+        let rec = |recalled: bool| -> EventRecord {
+            serde_json::from_value(serde_json::json!({
+                "seq": 7, "id": "e7",
+                "event": {
+                    "type": "simulated", "call_id": "b0_call_1", "recalled": recalled,
+                    "call": {"name": "book", "arguments": {"flight": "fl_1"}},
+                    "outcome": {"status": "parsed", "output": {"kind": "result", "value": {"error": "no_seats"}}}
+                }
+            }))
+            .unwrap()
+        };
+        assert!(
+            summary(&rec(true)).starts_with("recalled book → "),
+            "{}",
+            summary(&rec(true))
+        );
+        assert!(summary(&rec(false)).starts_with("simulated book → "));
     }
 
     #[test]
