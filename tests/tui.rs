@@ -128,6 +128,39 @@ fn streaming_actor_text() {
 }
 
 #[test]
+fn streaming_parallel_rehearsal_siblings() {
+    let mut app = app();
+    start_episode(&mut app);
+    let (_, s) = sample("bank-shadow-rehearsal.jsonl");
+    play(&mut app, &s.events[..3]);
+    // One batched request generates branches 1-3; their tokens arrive interleaved.
+    for piece in ["<tool_call>", "{\"name\": \"", "transfer"] {
+        for index in 0..3 {
+            app.update(Msg::Driver {
+                event: DriverEvent::Text {
+                    request: 7,
+                    role: GenRole::Actor,
+                    branch: Some(1),
+                    index,
+                    text: piece.into(),
+                },
+                at_s: 4.0,
+            });
+        }
+    }
+    let out = screen(&app);
+    for b in 1..=3 {
+        assert!(out.contains(&format!("actor (branch {b}) ▍")), "{out}");
+    }
+    assert_eq!(
+        out.matches("<tool_call>{\"name\": \"transfer").count(),
+        3,
+        "{out}"
+    );
+    insta::assert_snapshot!("streaming_parallel_siblings", out);
+}
+
+#[test]
 fn rehearsal_tree_and_real_vs_simulated_diff() {
     let mut app = app();
     start_episode(&mut app);
@@ -162,6 +195,44 @@ fn rehearsal_tree_and_real_vs_simulated_diff() {
     let out = screen(&app);
     assert!(out.contains("simulated") && out.contains("real"), "{out}");
     insta::assert_snapshot!("real_vs_simulated_diff", out);
+}
+
+#[test]
+fn rehearsal_tree_marks_recalled_branch_calls() {
+    let mut app = app();
+    start_episode(&mut app);
+    let (p, mut s) = sample("bank-shadow-rehearsal.jsonl");
+    // Turn the first simulated branch call into a recalled real error (what Private
+    // Rehearsal's recall records): the tree must say so instead of showing a simulation.
+    let view = envace::tui::episode::EpisodeView::from_events(&s.events);
+    let mut marked = 0;
+    for e in &mut s.events {
+        let in_branch = view.in_branch(&e.id);
+        if let EventBody::Simulated {
+            recalled, outcome, ..
+        } = &mut e.event
+            && in_branch
+            && marked == 0
+        {
+            *recalled = true;
+            *outcome = serde_json::from_value(serde_json::json!({"status": "parsed",
+                "output": {"kind": "result", "value": {"error": {"code": "not_found",
+                "message": "no account holder named Gus"}}}}))
+            .unwrap();
+            marked += 1;
+        }
+    }
+    assert_eq!(marked, 1, "the sample has a simulated branch call");
+    play(&mut app, &s.events);
+    app.update(Msg::RunFinished {
+        session: p,
+        result: Ok(0.0),
+    });
+    keys(&mut app, "www");
+    key(&mut app, KeyCode::Char('g'));
+    let out = screen(&app);
+    assert_eq!(out.matches("⇒ recalled ").count(), 1, "{out}");
+    insta::assert_snapshot!("rehearsal_tree_recalled", out);
 }
 
 fn approval_request(s: &Session) -> ApprovalRequest {

@@ -38,12 +38,31 @@ pub struct CallEntry {
     pub approval: Option<Decision>,
 }
 
+/// One imagined call of a branch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImaginedStep {
+    pub call: ToolCall,
+    /// The simulated outcome once known.
+    pub outcome: Option<SimulatedOutcome>,
+    /// The outcome is the real error already observed for this call, not a simulation.
+    pub recalled: bool,
+}
+
+impl ImaginedStep {
+    fn proposed(call: &ToolCall) -> Self {
+        Self {
+            call: call.clone(),
+            outcome: None,
+            recalled: false,
+        }
+    }
+}
+
 /// One imagined branch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BranchEntry {
     pub index: usize,
-    /// (call, simulated outcome once known)
-    pub steps: Vec<(ToolCall, Option<SimulatedOutcome>)>,
+    pub steps: Vec<ImaginedStep>,
     pub summary: Option<BranchSummary>,
 }
 
@@ -77,8 +96,33 @@ impl RehearsalEntry {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Streaming {
     pub role: GenRole,
+    /// The request's branch; sample `i` of a batched request (Private Rehearsal's parallel
+    /// siblings) is branch `branch + i`.
     pub branch: Option<usize>,
-    pub text: String,
+    /// One text per sample of the request.
+    pub texts: Vec<String>,
+}
+
+impl Streaming {
+    /// `(label, text)` per sample: "actor ▍", "actor (branch 2) ▍", …
+    pub fn lines(&self) -> Vec<(String, &str)> {
+        let who = match self.role {
+            GenRole::Actor => "actor",
+            GenRole::Simulator => "simulator",
+        };
+        self.texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let label = match self.branch {
+                    Some(b) => format!("{who} (branch {}) ▍", b + i),
+                    None if self.texts.len() > 1 => format!("{who} (sample {i}) ▍"),
+                    None => format!("{who} ▍"),
+                };
+                (label, t.as_str())
+            })
+            .collect()
+    }
 }
 
 /// The episode view.
@@ -125,17 +169,20 @@ impl EpisodeView {
     }
 
     /// Streamed text of a running generation.
-    pub fn stream(&mut self, role: GenRole, branch: Option<usize>, text: &str) {
-        match &mut self.streaming {
-            Some(s) if s.role == role && s.branch == branch => s.text.push_str(text),
-            _ => {
-                self.streaming = Some(Streaming {
-                    role,
-                    branch,
-                    text: text.to_string(),
-                })
-            }
+    /// Live text of sample `index` of the generation running for `role` / `branch`.
+    pub fn stream(&mut self, role: GenRole, branch: Option<usize>, index: usize, text: &str) {
+        let s = match &mut self.streaming {
+            Some(s) if s.role == role && s.branch == branch => s,
+            _ => self.streaming.insert(Streaming {
+                role,
+                branch,
+                texts: Vec::new(),
+            }),
+        };
+        if s.texts.len() <= index {
+            s.texts.resize(index + 1, String::new());
         }
+        s.texts[index].push_str(text);
     }
 
     /// Apply one persisted event.
@@ -213,6 +260,7 @@ impl EpisodeView {
                 call_id,
                 call,
                 outcome,
+                recalled,
                 ..
             } => match branch {
                 None => {
@@ -225,10 +273,17 @@ impl EpisodeView {
                         match br
                             .steps
                             .iter_mut()
-                            .find(|(c, o)| o.is_none() && c.name == call.name)
+                            .find(|st| st.outcome.is_none() && st.call.name == call.name)
                         {
-                            Some(step) => step.1 = Some(outcome.clone()),
-                            None => br.steps.push((call.clone(), Some(outcome.clone()))),
+                            Some(step) => {
+                                step.outcome = Some(outcome.clone());
+                                step.recalled = *recalled;
+                            }
+                            None => br.steps.push(ImaginedStep {
+                                call: call.clone(),
+                                outcome: Some(outcome.clone()),
+                                recalled: *recalled,
+                            }),
                         }
                     }
                 }
@@ -274,7 +329,7 @@ impl EpisodeView {
                     && let Some(reh) = self.rehearsals.get_mut(r)
                 {
                     let steps = if *index == 0 {
-                        reh.proposed.iter().map(|c| (c.clone(), None)).collect()
+                        reh.proposed.iter().map(ImaginedStep::proposed).collect()
                     } else {
                         Vec::new()
                     };
@@ -290,7 +345,7 @@ impl EpisodeView {
                     && let Some(br) = self.branch_mut(r, b)
                 {
                     br.steps
-                        .extend(turn.calls().iter().map(|c| (c.clone(), None)));
+                        .extend(turn.calls().iter().map(ImaginedStep::proposed));
                 }
             }
             EventBody::BranchEnd { summary } => {
@@ -380,5 +435,79 @@ mod tests {
         assert!(r.memory.is_some());
         assert!(v.reward.is_some() && v.end.is_some());
         assert!(v.generated_tokens > 0);
+    }
+
+    #[test]
+    fn parallel_siblings_stream_side_by_side_not_interleaved() {
+        let mut v = EpisodeView::default();
+        // One batched request for branches 1..=3: tokens arrive interleaved by sample.
+        for piece in ["<tool", "_call", ">"] {
+            for i in 0..3 {
+                v.stream(GenRole::Actor, Some(1), i, piece);
+            }
+        }
+        let s = v.streaming.as_ref().unwrap();
+        let lines = s.lines();
+        assert_eq!(lines.len(), 3);
+        for (i, (label, text)) in lines.iter().enumerate() {
+            assert_eq!(label, &format!("actor (branch {}) ▍", i + 1));
+            assert_eq!(*text, "<tool_call>");
+        }
+        // A new request (the main line) replaces it.
+        v.stream(GenRole::Actor, None, 0, "Done");
+        let lines = v.streaming.as_ref().unwrap().lines();
+        assert_eq!(lines, vec![("actor ▍".to_string(), "Done")]);
+    }
+
+    #[test]
+    fn a_recalled_branch_call_is_marked_on_its_step() {
+        let ev = |seq: u64, parent: Option<&str>, event: serde_json::Value| -> EventRecord {
+            serde_json::from_value(serde_json::json!({
+                "seq": seq, "id": format!("e{seq}"), "parent": parent, "event": event
+            }))
+            .unwrap()
+        };
+        let call = serde_json::json!({"name": "book", "arguments": {"flight": "fl_408"}});
+        let error = serde_json::json!({"status": "parsed", "output": {"kind": "result",
+            "value": {"error": {"code": "not_found", "message": "flight fl_408 not found"}}}});
+        let events = [
+            ev(
+                1,
+                None,
+                serde_json::json!({"type": "rehearsal_start", "branches": 2,
+                "strategy": "parallel", "trigger": "irreversible",
+                "depth": {"kind": "turns", "turns": 2}, "proposed": [call]}),
+            ),
+            ev(
+                2,
+                Some("e1"),
+                serde_json::json!({"type": "branch_start", "index": 0}),
+            ),
+            ev(
+                3,
+                Some("e2"),
+                serde_json::json!({"type": "simulated", "call_id": "call_6",
+                "call": call, "outcome": error, "recalled": true}),
+            ),
+            ev(
+                4,
+                Some("e1"),
+                serde_json::json!({"type": "branch_start", "index": 1}),
+            ),
+            ev(
+                5,
+                Some("e4"),
+                serde_json::json!({"type": "simulated", "call_id": "b1_call_0",
+                "call": call, "outcome": error}),
+            ),
+        ];
+        let v = EpisodeView::from_events(&events);
+        let b = &v.rehearsals[0].branches;
+        assert_eq!(b.len(), 2);
+        // Branch 0's proposed call got the recalled real error; branch 1's was simulated.
+        assert_eq!(b[0].steps.len(), 1);
+        assert!(b[0].steps[0].recalled && b[0].steps[0].outcome.is_some());
+        assert_eq!(b[1].steps.len(), 1);
+        assert!(!b[1].steps[0].recalled && b[1].steps[0].outcome.is_some());
     }
 }

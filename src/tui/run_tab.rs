@@ -282,8 +282,12 @@ impl RunTab {
         self.elapsed_s = at_s;
         match event {
             DriverEvent::Text {
-                role, branch, text, ..
-            } => self.view.stream(role, branch, &text),
+                role,
+                branch,
+                index,
+                text,
+                ..
+            } => self.view.stream(role, branch, index, &text),
             DriverEvent::Persisted(rec) => {
                 if let EventBody::EpisodeStart { tools, .. } = &rec.event {
                     self.tools = tools.clone();

@@ -143,12 +143,10 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
     if let Some(s) = &r.view.streaming
         && s.role == crate::engine::types::GenRole::Actor
     {
-        let who = match s.branch {
-            Some(b) => format!("actor (branch {b}) ▍"),
-            None => "actor ▍".into(),
-        };
-        lines.push(Line::styled(who, t.fg(t.c.accent)));
-        lines.push(Line::raw(s.text.clone()));
+        for (who, text) in s.lines() {
+            lines.push(Line::styled(who, t.fg(t.c.accent)));
+            lines.push(Line::raw(text.to_string()));
+        }
     }
     pane(
         app,
@@ -178,12 +176,10 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
     if let Some(s) = &r.view.streaming
         && s.role == crate::engine::types::GenRole::Simulator
     {
-        let who = match s.branch {
-            Some(b) => format!("simulator (branch {b}) ▍"),
-            None => "simulator ▍".into(),
-        };
-        lines.push(Line::styled(who, t.fg(t.c.accent)));
-        lines.push(Line::styled(s.text.clone(), t.fg(t.c.simulated)));
+        for (who, text) in s.lines() {
+            lines.push(Line::styled(who, t.fg(t.c.accent)));
+            lines.push(Line::styled(text.to_string(), t.fg(t.c.simulated)));
+        }
     }
     if lines.is_empty() && r.view.mode == "real" {
         lines.push(Line::styled("real mode: nothing is simulated", t.muted()));
@@ -242,15 +238,21 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
                 Span::styled(format!("{branch_glyph} branch {} ", b.index), t.fg(t.c.fg)),
                 Span::styled(verdict, style),
             ]));
-            for (call, out) in &b.steps {
+            for st in &b.steps {
                 lines.push(Line::styled(
-                    format!("{stem}  → {}", call_line(call)),
+                    format!("{stem}  → {}", call_line(&st.call)),
                     t.fg(t.c.tool_call),
                 ));
-                if let Some(o) = out {
+                if let Some(o) = &st.outcome {
+                    // A recalled outcome is the real error this call already got: real colour.
+                    let (tag, colour) = if st.recalled {
+                        ("recalled ", t.c.real)
+                    } else {
+                        ("", t.c.simulated)
+                    };
                     lines.push(Line::styled(
-                        format!("{stem}    ⇒ {}", outcome_line(o)),
-                        t.fg(t.c.simulated),
+                        format!("{stem}    ⇒ {tag}{}", outcome_line(o)),
+                        t.fg(colour),
                     ));
                 }
             }
