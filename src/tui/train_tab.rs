@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use super::form::{Field, Form};
 use super::keymap::Action;
 use crate::engine::runner::ModeChoice;
+use crate::engine::types::GenRole;
 use crate::train::grpo::GrpoConfig;
 use crate::train::metrics::StepMetrics;
 
@@ -71,6 +72,20 @@ impl TrainTab {
             Field::choice("lora", "LoRA rank", &["full", "4", "8", "16", "32"], 0),
             Field::number("lr", "learning rate", 2e-5, (0.0, 1e-7, 1e-2), 6),
             Field::number("temperature", "temperature", 1.0, (0.1, 0.1, 2.0), 1),
+            Field::number(
+                "sim_temperature",
+                "sim temperature",
+                0.3,
+                (0.1, 0.0, 2.0),
+                1,
+            ),
+            // Joint training of both roles (EnvACE) or one role only (the ablation).
+            Field::choice(
+                "roles",
+                "trained roles",
+                &["actor,simulator", "actor", "simulator"],
+                0,
+            ),
             Field::number("kl", "KL coef", 0.0, (0.01, 0.0, 1.0), 2),
             Field::number("seed", "seed", 0.0, (1.0, 0.0, 1e9), 0),
             Field::number("every", "checkpoint every", 5.0, (1.0, 0.0, 1000.0), 0),
@@ -115,6 +130,12 @@ impl TrainTab {
             group: self.form.number("group") as usize,
             lr: self.form.number("lr"),
             temperature: self.form.number("temperature"),
+            sim_temperature: self.form.number("sim_temperature"),
+            roles: match self.form.choice("roles").as_str() {
+                "actor" => vec![GenRole::Actor],
+                "simulator" => vec![GenRole::Simulator],
+                _ => vec![GenRole::Actor, GenRole::Simulator],
+            },
             kl_coef: self.form.number("kl"),
             seed: self.form.number("seed") as u64,
             checkpoint_every: self.form.number("every") as usize,
@@ -247,6 +268,12 @@ mod tests {
         assert_eq!(c.steps, 21);
         assert_eq!(c.domains, vec!["bank"]);
         assert_eq!(c.mode, ModeChoice::Rehearse);
+        assert_eq!(c.roles, vec![GenRole::Actor, GenRole::Simulator]);
+        assert!((c.sim_temperature - 0.3).abs() < 1e-9);
+        // The roles field trains one role only when asked.
+        t.form.cursor = t.form.fields.iter().position(|f| f.key == "roles").unwrap();
+        t.form.nudge(1);
+        assert_eq!(t.config().roles, vec![GenRole::Actor]);
         assert!(t.request(Path::new("m"), true).is_err());
         let r = t.request(Path::new("m"), false).unwrap();
         assert_eq!(r.out, PathBuf::from("runs/grpo"));
