@@ -352,31 +352,25 @@ fn micro_loss(
     norms: Norms,
 ) -> candle_core::Result<MicroLoss> {
     let dev = &policy.device;
-    let examples: Vec<Example> = rows
-        .iter()
-        .map(|r| {
-            let mut ids = r.row.prompt_ids.clone();
-            ids.extend_from_slice(&r.row.response_ids);
-            let mut mask = vec![0.0; r.row.prompt_ids.len()];
-            mask.extend(r.row.loss_mask.iter().map(|&m| f32::from(m)));
-            Example { ids, mask }
-        })
-        .collect();
-    let refs: Vec<&Example> = examples.iter().collect();
-    let (ids, mask) = batch_tensors(&refs, dev)?;
-    let policy_mask = if rows.iter().any(|r| r.policy_mask.is_some()) {
+    // Ids and a token mask laid out for the batch: the row's loss mask (KL, entropy, ratio
+    // diagnostics) or its policy mask (the policy term; differs with `mask_copies`).
+    let layout = |mask_of: fn(&ScoredRow) -> &[u8]| {
         let examples: Vec<Example> = rows
             .iter()
             .map(|r| {
                 let mut ids = r.row.prompt_ids.clone();
                 ids.extend_from_slice(&r.row.response_ids);
                 let mut mask = vec![0.0; r.row.prompt_ids.len()];
-                mask.extend(r.policy_mask().iter().map(|&m| f32::from(m)));
+                mask.extend(mask_of(r).iter().map(|&m| f32::from(m)));
                 Example { ids, mask }
             })
             .collect();
         let refs: Vec<&Example> = examples.iter().collect();
-        batch_tensors(&refs, dev)?.1
+        batch_tensors(&refs, dev)
+    };
+    let (ids, mask) = layout(|r| &r.row.loss_mask)?;
+    let policy_mask = if rows.iter().any(|r| r.policy_mask.is_some()) {
+        layout(ScoredRow::policy_mask)?.1
     } else {
         mask.clone()
     };
