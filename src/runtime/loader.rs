@@ -538,7 +538,7 @@ pub fn load_gguf_with(
     let dense_bytes = cfg.parameter_count() * 4;
     let keep_dense =
         opts.dense_prefill && device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
-    let quant = |t: QTensor| -> Result<Linear, RuntimeError> {
+    let quant_linear = |t: QTensor| -> Result<Linear, RuntimeError> {
         let dense = if keep_dense {
             Some(t.dequantize(device)?)
         } else {
@@ -578,13 +578,18 @@ pub fn load_gguf_with(
             lora: None,
         })
     };
+    // A quantized linear layer; a tensor the kernels refuse (size or type) is named with the file.
+    let quant = |name: &str, t: QTensor| -> Result<Linear, RuntimeError> {
+        quant_linear(t).map_err(|e| file_err(path, format!("tensor `{name}`: {e}")))
+    };
     let dq = |t: &QTensor| -> Result<Tensor, RuntimeError> { Ok(t.dequantize(device)?) };
     let embed = dq(&embed_q)?;
     let mut layers = Vec::with_capacity(layers_n);
     for i in 0..layers_n {
         let p = format!("blk.{i}");
         let mut lin = |n: &str, bias: bool| -> Result<Linear, RuntimeError> {
-            let mut l = quant(read(&format!("{p}.{n}.weight"))?)?;
+            let name = format!("{p}.{n}.weight");
+            let mut l = quant(&name, read(&name)?)?;
             if bias {
                 l.bias = Some(dq(&read(&format!("{p}.{n}.bias"))?)?);
             }
@@ -636,9 +641,9 @@ pub fn load_gguf_with(
         eps: cfg.rms_norm_eps,
     };
     let lm_head = if ct.tensor_infos.contains_key("output.weight") {
-        quant(read("output.weight")?)?
+        quant("output.weight", read("output.weight")?)?
     } else {
-        quant(embed_q)?
+        quant("token_embd.weight", embed_q)?
     };
     let decoder = Decoder {
         rope: Rope::new(&cfg, DType::F32, device)?,
