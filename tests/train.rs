@@ -381,6 +381,8 @@ fn the_copy_mask_leaves_copied_values_out_of_the_policy_term_only() {
     // Balance answers copy the account and the amount from the question and the tool response.
     let f = get(&on, "copy_masked_frac");
     assert!(f > 0.1 && f < 0.9, "masked fraction {f}");
+    // The bundled model's text is ASCII: every row maps onto its tokens.
+    assert_eq!(get(&on, "copy_mask_unmapped_rows"), 0.0);
     // The same rows are trained (the KL term covers all of them); the policy term's gradient
     // comes from fewer tokens (its loss, a mean of ratio × weight, is the same at ratio 1).
     assert_eq!(get(&off, "rows_trained"), get(&on, "rows_trained"));

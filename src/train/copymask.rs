@@ -198,6 +198,35 @@ mod tests {
     }
 
     #[test]
+    fn the_bundled_tokenizer_maps_ascii_rows_and_refuses_split_characters() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+        let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let eot = tok.token_to_id("<|im_end|>");
+        assert!(eot.is_some());
+        let prompt = tok
+            .encode("<|im_start|>system\ntools: search(src)<|im_end|>\n<|im_start|>user\nFly from Kyiv<|im_end|>\n<|im_start|>assistant\n")
+            .unwrap();
+        let resp = tok.encode("From Kyiv to search").unwrap();
+        let m = copy_mask(&tok, eot, &prompt, &resp).unwrap();
+        assert_eq!(m.len(), resp.len());
+        // "Kyiv" is copied; "search" is a tool name from the system turn; "From" is not in
+        // the conversation (it says "from").
+        let kept: String = resp
+            .iter()
+            .zip(&m)
+            .filter(|(_, k)| **k == 1)
+            .map(|(t, _)| tok.decode(&[*t]).unwrap())
+            .collect();
+        assert_eq!(
+            kept.split_whitespace().collect::<Vec<_>>(),
+            ["From", "to", "search"]
+        );
+        // A character split across byte-level tokens cannot be mapped: no mask.
+        let emoji = tok.encode("Kyiv \u{1F642}").unwrap();
+        assert!(copy_mask(&tok, eot, &prompt, &emoji).is_none());
+    }
+
+    #[test]
     fn json_keys_that_the_conversation_holds_are_not_masked() {
         let conversation = "{\"status\": \"active\"}";
         let resp = pieces(&["{\"", "status", "\": \"", "active", "\"}"]);

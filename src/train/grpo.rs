@@ -814,9 +814,11 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         let mean_reward = reward_sum / n_eps.max(1) as f64;
         let mut rows: Vec<ScoredRow> = groups.iter().flat_map(|g| role_advantages(g)).collect();
         // Fraction of generated tokens the copy mask leaves out of the policy term.
-        let mut copy_masked: Option<f64> = None;
+        let mut copy_masked: Option<(f64, usize)> = None;
         if cfg.mask_copies {
-            let (mut kept, mut total) = (0usize, 0usize);
+            // `unmapped`: rows whose text did not map onto their tokens (multi-byte characters
+            // split across tokens); they train unmasked, and the metric says how many.
+            let (mut kept, mut total, mut unmapped) = (0usize, 0usize, 0usize);
             for r in &mut rows {
                 r.policy_mask = super::copymask::copy_mask(
                     &base.tokenizer,
@@ -825,10 +827,11 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                     &r.row.response_ids,
                 )
                 .map(|m| m.iter().zip(&r.row.loss_mask).map(|(a, b)| a & b).collect());
+                unmapped += usize::from(r.policy_mask.is_none());
                 total += r.row.loss_mask.iter().filter(|&&m| m == 1).count();
                 kept += r.policy_mask().iter().filter(|&&m| m == 1).count();
             }
-            copy_masked = Some(1.0 - kept as f64 / total.max(1) as f64);
+            copy_masked = Some((1.0 - kept as f64 / total.max(1) as f64, unmapped));
         }
         let role_mean = |role: GenRole| {
             let v: Vec<f64> = rows
@@ -969,8 +972,10 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         if let Some(g) = grounding_nll {
             metrics = metrics.with("grounding_nll", g);
         }
-        if let Some(f) = copy_masked {
-            metrics = metrics.with("copy_masked_frac", f);
+        if let Some((f, unmapped)) = copy_masked {
+            metrics = metrics
+                .with("copy_masked_frac", f)
+                .with("copy_mask_unmapped_rows", unmapped);
         }
         // Simulator fidelity (mean value agreement with the real response): shadow/real only.
         if fid_n > 0 {
