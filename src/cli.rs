@@ -551,7 +551,8 @@ pub struct TrainArgs {
     #[arg(long, required = true)]
     pub out: Option<PathBuf>,
     /// Continue from a checkpoint directory written by this command (a LoRA run's checkpoint
-    /// continues the LoRA run).
+    /// continues the LoRA run). Pass the flags the run started with: only --steps, --minutes,
+    /// --checkpoint-every and --rollouts may differ (others are refused, naming them).
     #[arg(long)]
     pub resume: Option<PathBuf>,
     #[arg(long)]

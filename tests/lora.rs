@@ -502,6 +502,28 @@ fn lora_grpo_runs_two_steps_and_its_adapter_checkpoint_resumes() {
             .collect()
     };
     assert_eq!(fin(out.path()), fin(out2.path()));
+    // Resuming with another learning rate would not continue the saved run: refused, naming
+    // the checkpoint and the setting, before any rollout.
+    let err = run_grpo(
+        &GrpoConfig {
+            lr: 5e-4,
+            ..grpo.clone()
+        },
+        GrpoRun {
+            model: &m2,
+            model_dir: &ck,
+            out: Some(tempfile::tempdir().unwrap().path()),
+            resume: Some(&loaded),
+            sink: &mut MemorySink::default(),
+            cancel: &CancelToken::new(),
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("checkpoint-1") && err.contains("lr: "),
+        "{err}"
+    );
     // The adapter directory loads as a model (for run / eval --model).
     LocalModel::load_on(&out2.path().join("final"), &Device::Cpu, None).unwrap();
 }

@@ -336,6 +336,32 @@ pub fn row_weight(r: &ScoredRow, cfg: &GrpoConfig) -> f64 {
     loss_advantage(r.advantage, cfg.negative_weight) + cfg.imitation * r.row.reward.unwrap_or(0.0)
 }
 
+/// Settings a resumed run may change: how long it runs, how often it checkpoints, where its
+/// rollouts go. Everything else must match the checkpoint's, or the run would not be the one
+/// it saved (a silently different learning rate or mode is a different experiment).
+const RESUMABLE_CHANGES: &[&str] = &["steps", "time_budget_s", "checkpoint_every", "rollouts_dir"];
+
+/// The settings of `now` that differ from a checkpoint's stored configuration, as
+/// `name: saved → now` (empty when they agree). A stored configuration from an older version is
+/// read with today's defaults for the fields it lacks.
+pub fn config_changes(stored: &serde_json::Value, now: &GrpoConfig) -> Vec<String> {
+    let saved = match serde_json::from_value::<GrpoConfig>(stored.clone()) {
+        Ok(c) => serde_json::to_value(c).unwrap_or_default(),
+        Err(e) => return vec![format!("the stored configuration is not GRPO's ({e})")],
+    };
+    let now = serde_json::to_value(now).unwrap_or_default();
+    let (Some(saved), Some(now)) = (saved.as_object(), now.as_object()) else {
+        return Vec::new();
+    };
+    now.iter()
+        .filter(|(k, v)| !RESUMABLE_CHANGES.contains(&k.as_str()) && saved.get(*k) != Some(v))
+        .map(|(k, v)| {
+            let was = saved.get(k).map_or("–".to_string(), ToString::to_string);
+            format!("{k}: {was} → {v}")
+        })
+        .collect()
+}
+
 /// Token counts a step's losses are divided by: the policy term by the tokens of the rows with
 /// signal (as without a KL term), the KL and entropy terms by the tokens of every trained row.
 #[derive(Debug, Clone, Copy)]
@@ -675,6 +701,16 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     )?;
     let mut step = 0;
     if let Some(l) = resume {
+        let changed = config_changes(&l.state.config, cfg);
+        if !changed.is_empty() {
+            return Err(TrainError::Checkpoint(format!(
+                "{}: resuming with a different configuration ({}) would not continue the run \
+                 it saved; pass the flags it started with (`config` in its trainer_state.json) \
+                 or start a new run",
+                l.dir.display(),
+                changed.join(", ")
+            )));
+        }
         // Steps without reward signal make no optimizer update (and epochs > 1 make several):
         // AdamW's bias correction needs its own count, not the trainer's step.
         let opt_steps = l
@@ -1135,6 +1171,36 @@ fn save(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resuming_refuses_changed_settings_but_not_longer_runs() {
+        let saved = GrpoConfig::default();
+        let stored = serde_json::to_value(&saved).unwrap();
+        assert!(config_changes(&stored, &saved).is_empty());
+        let longer = GrpoConfig {
+            steps: saved.steps * 2,
+            checkpoint_every: 7,
+            ..saved.clone()
+        };
+        assert!(config_changes(&stored, &longer).is_empty());
+        let other = GrpoConfig {
+            lr: 5e-5,
+            mode: ModeChoice::Real,
+            ..saved.clone()
+        };
+        let c = config_changes(&stored, &other);
+        assert_eq!(c.len(), 2, "{c:?}");
+        assert!(
+            c.iter().any(|l| l.starts_with("lr: 0.00002 → 0.00005")),
+            "{c:?}"
+        );
+        assert!(c.iter().any(|l| l.starts_with("mode: ")), "{c:?}");
+        // An older checkpoint without a newer field reads it at its default: no change.
+        let mut old = stored.clone();
+        old.as_object_mut().unwrap().remove("mask_copies");
+        assert!(config_changes(&old, &saved).is_empty());
+        assert_eq!(config_changes(&serde_json::json!([1]), &saved).len(), 1);
+    }
 
     #[test]
     fn micro_batches_count_padded_tokens() {
