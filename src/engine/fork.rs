@@ -37,7 +37,7 @@ use super::runner::{
     EpisodeEnv, ModeChoice, RunError, RunOptions, engine_config, header, run_episode_from,
 };
 use super::spec::task_spec;
-use super::types::{Decision, EngineConfig, EpisodeSpec, Mode};
+use super::types::{EngineConfig, EpisodeSpec, Mode};
 use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
 use crate::env::tasks::find_builtin;
@@ -199,21 +199,9 @@ pub fn fork_spec(session: &Session, req: &ForkRequest) -> Result<ForkSpec, ForkE
         .collect();
     let mut history: Vec<Message> = played.iter().map(|(_, m)| (*m).clone()).collect();
 
-    // Calls run with edited arguments: the conversation the actor saw had them (the engine
-    // updates its conversation; the session's message event keeps the proposal).
-    for &i in main.iter().filter(|&&i| i <= point) {
-        if let EventBody::Approval {
-            call_id,
-            decision: Decision::ApproveEdited { arguments },
-        } = &events[i].event
-        {
-            for m in history.iter_mut() {
-                for tc in m.tool_calls.iter_mut().filter(|tc| &tc.id == call_id) {
-                    tc.function.arguments = arguments.clone();
-                }
-            }
-        }
-    }
+    // Calls run with edited arguments: the conversation the actor saw had them.
+    let upto: Vec<usize> = main.iter().copied().filter(|&i| i <= point).collect();
+    crate::session::tree::apply_approval_edits(events, &upto, &mut history);
 
     let mut edited_event = None;
     if let Some(edit) = &req.edit {

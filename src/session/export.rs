@@ -76,12 +76,13 @@ pub fn openai_records(session: &Session, opts: &ExportOptions) -> Vec<Value> {
     let mut messages = Vec::new();
     let mut reward = Value::Null;
     let mut end = Value::Null;
-    for &i in &tree.main_line() {
+    let main = tree.main_line();
+    for &i in &main {
         match &session.events[i].event {
             EventBody::EpisodeStart { tools: t, .. } => {
                 tools = t.iter().map(|t| t.to_openai_json()).collect();
             }
-            EventBody::Message { message } => messages.push(openai_message(message)),
+            EventBody::Message { message } => messages.push(message.clone()),
             EventBody::Reward { reward: r, .. } => reward = json!(r),
             EventBody::EpisodeEnd { reason, .. } => {
                 end = serde_json::to_value(reason).unwrap_or(Value::Null)
@@ -89,6 +90,9 @@ pub fn openai_records(session: &Session, opts: &ExportOptions) -> Vec<Value> {
             _ => {}
         }
     }
+    // The conversation as it ran: calls approved with edited arguments carry the edit.
+    super::tree::apply_approval_edits(&session.events, &main, &mut messages);
+    let messages: Vec<Value> = messages.iter().map(openai_message).collect();
     let metadata = |role: &str| {
         json!({
             "role": role,

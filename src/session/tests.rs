@@ -412,6 +412,45 @@ fn openai_export_writes_main_line_with_string_arguments() {
 }
 
 #[test]
+fn openai_export_carries_arguments_edited_at_the_approval_gate() {
+    // The user approved call_0 with amount 7 instead of the proposed 5: the call ran with 7
+    // and the actor's later turns saw 7, so the exported conversation says 7.
+    let mut events = sample_events();
+    let at = events
+        .iter()
+        .position(|e| e.id == "e11")
+        .expect("real call");
+    events[at].parent = Some("ea".into());
+    events.insert(
+        at,
+        ev(
+            "ea",
+            Some("e10"),
+            EventBody::Approval {
+                call_id: "call_0".into(),
+                decision: crate::engine::types::Decision::ApproveEdited {
+                    arguments: json!({"amount": 7}),
+                },
+            },
+        ),
+    );
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("edited.jsonl");
+    let mut w = SessionWriter::create_with(&path, &header(), false).expect("create");
+    for e in events {
+        w.append(e).expect("append");
+    }
+    let mut out = Vec::new();
+    export_openai(&path, &mut out, &ExportOptions::default()).expect("export");
+    let rec: serde_json::Value =
+        serde_json::from_str(String::from_utf8(out).expect("utf8").trim()).expect("json");
+    assert_eq!(
+        rec["messages"][2]["tool_calls"][0]["function"]["arguments"],
+        "{\"amount\":7}"
+    );
+}
+
+#[test]
 fn replay_text_shows_steps_and_branches() {
     let dir = tempfile::tempdir().expect("tmp");
     let text = replay_text(write_sample(dir.path(), false)).expect("replay");

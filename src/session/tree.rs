@@ -89,3 +89,27 @@ impl SessionTree {
         out
     }
 }
+
+/// Apply the approval gate's edits to `messages`: a call the user approved with edited
+/// arguments ran with them, and the conversation the actor saw afterwards carried them (the
+/// engine rewrites its conversation; the session's `message` event keeps the proposal, the
+/// `approval` event the edit). `indices` are the events to read (a main line, or its prefix).
+pub fn apply_approval_edits(
+    events: &[EventRecord],
+    indices: &[usize],
+    messages: &mut [crate::message::Message],
+) {
+    for &i in indices {
+        if let Some(EventBody::Approval {
+            call_id,
+            decision: crate::engine::types::Decision::ApproveEdited { arguments },
+        }) = events.get(i).map(|e| &e.event)
+        {
+            for m in messages.iter_mut() {
+                for tc in m.tool_calls.iter_mut().filter(|tc| &tc.id == call_id) {
+                    tc.function.arguments = arguments.clone();
+                }
+            }
+        }
+    }
+}
