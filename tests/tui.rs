@@ -165,15 +165,7 @@ fn rehearsal_tree_and_real_vs_simulated_diff() {
     let mut app = app();
     start_episode(&mut app);
     let (p, s) = sample("bank-shadow-rehearsal.jsonl");
-    play(&mut app, &s.events);
-    app.update(Msg::RunFinished {
-        session: p,
-        result: Ok(0.0),
-    });
-    // Focus the branches pane and scroll to its top.
-    keys(&mut app, "www");
-    key(&mut app, KeyCode::Char('g'));
-    let out = screen(&app);
+    let out = finished_with_branches_in_view(&mut app, p, &s);
     assert!(out.contains("rehearsal 1"), "{out}");
     assert!(out.contains("branch 0"), "{out}");
     insta::assert_snapshot!("rehearsal_tree", out);
@@ -205,34 +197,37 @@ fn rehearsal_tree_marks_recalled_branch_calls() {
     // Turn the first simulated branch call into a recalled real error (what Private
     // Rehearsal's recall records): the tree must say so instead of showing a simulation.
     let view = envace::tui::episode::EpisodeView::from_events(&s.events);
-    let mut marked = 0;
-    for e in &mut s.events {
-        let in_branch = view.in_branch(&e.id);
-        if let EventBody::Simulated {
-            recalled, outcome, ..
-        } = &mut e.event
-            && in_branch
-            && marked == 0
-        {
-            *recalled = true;
-            *outcome = serde_json::from_value(serde_json::json!({"status": "parsed",
-                "output": {"kind": "result", "value": {"error": {"code": "not_found",
-                "message": "no account holder named Gus"}}}}))
-            .unwrap();
-            marked += 1;
-        }
+    let first = s
+        .events
+        .iter()
+        .position(|e| view.in_branch(&e.id) && matches!(e.event, EventBody::Simulated { .. }))
+        .expect("the sample has a simulated branch call");
+    if let EventBody::Simulated {
+        recalled, outcome, ..
+    } = &mut s.events[first].event
+    {
+        *recalled = true;
+        *outcome = serde_json::from_value(serde_json::json!({"status": "parsed",
+            "output": {"kind": "result", "value": {"error": {"code": "not_found",
+            "message": "no account holder named Gus"}}}}))
+        .unwrap();
     }
-    assert_eq!(marked, 1, "the sample has a simulated branch call");
-    play(&mut app, &s.events);
-    app.update(Msg::RunFinished {
-        session: p,
-        result: Ok(0.0),
-    });
-    keys(&mut app, "www");
-    key(&mut app, KeyCode::Char('g'));
-    let out = screen(&app);
+    let out = finished_with_branches_in_view(&mut app, p, &s);
     assert_eq!(out.matches("⇒ recalled ").count(), 1, "{out}");
     insta::assert_snapshot!("rehearsal_tree_recalled", out);
+}
+
+/// Play `s` to its end in the Run tab, focus the rehearsal branches pane at its top, and
+/// return the screen.
+fn finished_with_branches_in_view(app: &mut App, path: PathBuf, s: &Session) -> String {
+    play(app, &s.events);
+    app.update(Msg::RunFinished {
+        session: path,
+        result: Ok(0.0),
+    });
+    keys(app, "www");
+    key(app, KeyCode::Char('g'));
+    screen(app)
 }
 
 fn approval_request(s: &Session) -> ApprovalRequest {

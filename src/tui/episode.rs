@@ -470,37 +470,28 @@ mod tests {
         let call = serde_json::json!({"name": "book", "arguments": {"flight": "fl_408"}});
         let error = serde_json::json!({"status": "parsed", "output": {"kind": "result",
             "value": {"error": {"code": "not_found", "message": "flight fl_408 not found"}}}});
-        let events = [
-            ev(
-                1,
-                None,
-                serde_json::json!({"type": "rehearsal_start", "branches": 2,
-                "strategy": "parallel", "trigger": "irreversible",
-                "depth": {"kind": "turns", "turns": 2}, "proposed": [call]}),
-            ),
-            ev(
-                2,
+        let mut events = vec![ev(
+            1,
+            None,
+            serde_json::json!({"type": "rehearsal_start", "branches": 2,
+            "strategy": "parallel", "trigger": "irreversible",
+            "depth": {"kind": "turns", "turns": 2}, "proposed": [call]}),
+        )];
+        // Branch b: its start under the rehearsal, then its one call, recalled in branch 0.
+        for b in 0..2u64 {
+            let start = format!("e{}", 2 + 2 * b);
+            events.push(ev(
+                2 + 2 * b,
                 Some("e1"),
-                serde_json::json!({"type": "branch_start", "index": 0}),
-            ),
-            ev(
-                3,
-                Some("e2"),
-                serde_json::json!({"type": "simulated", "call_id": "call_6",
-                "call": call, "outcome": error, "recalled": true}),
-            ),
-            ev(
-                4,
-                Some("e1"),
-                serde_json::json!({"type": "branch_start", "index": 1}),
-            ),
-            ev(
-                5,
-                Some("e4"),
-                serde_json::json!({"type": "simulated", "call_id": "b1_call_0",
-                "call": call, "outcome": error}),
-            ),
-        ];
+                serde_json::json!({"type": "branch_start", "index": b}),
+            ));
+            events.push(ev(
+                3 + 2 * b,
+                Some(&start),
+                serde_json::json!({"type": "simulated", "call_id": format!("b{b}_call_0"),
+                "call": call, "outcome": error, "recalled": b == 0}),
+            ));
+        }
         let v = EpisodeView::from_events(&events);
         let b = &v.rehearsals[0].branches;
         assert_eq!(b.len(), 2);
