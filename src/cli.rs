@@ -434,6 +434,9 @@ pub struct PretrainArgs {
     pub dry_run: bool,
     #[arg(long)]
     pub json: bool,
+    /// With `--init`: train a LoRA adapter instead of every weight.
+    #[command(flatten)]
+    pub lora: LoraArgs,
 }
 
 /// LoRA flags shared by `train` and `train sft`.

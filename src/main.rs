@@ -145,6 +145,14 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
         }
     }
     cfg.corpus.seed = a.seed;
+    if let Some(r) = a.lora.lora {
+        cfg.lora = Some(envace::train::lora::LoraConfig::new(
+            r,
+            a.lora.lora_alpha,
+            &a.lora.lora_targets,
+            a.seed,
+        )?);
+    }
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;
         println!("{}", serde_json::to_string_pretty(&stats)?);

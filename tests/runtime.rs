@@ -548,3 +548,124 @@ fn prefix_reuse_across_calls_equals_fresh_generation() {
         assert_eq!(got[1].response_ids, want[0].0.response_ids, "{p}");
     }
 }
+
+/// Top-`k` token ids of a logits row, best first.
+fn top_ids(t: &Tensor, k: usize) -> Vec<usize> {
+    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+    idx.truncate(k);
+    idx
+}
+
+#[test]
+fn smollm2_gguf_dequantized_for_training_matches_the_inference_path() {
+    use envace::runtime::loader::{load_gguf_dense, permute_rope_rows};
+    use envace::train::model::TrainableModel;
+    let path = smollm2();
+    // The trainable form: every weight dequantized to f32, q/k rows back in HF order, RoPE in
+    // HF's half layout, weights as Vars.
+    let train = TrainableModel::load(&path, &Device::Cpu).unwrap();
+    assert!(!train.decoder.cfg.rope_interleaved);
+    assert!(train.decoder.cfg.tie_word_embeddings);
+    assert_eq!(
+        train.trainable_parameters(),
+        train.decoder.cfg.parameter_count()
+    );
+    // The inference form, exactly as `envace run` loads it (quantized, f32 prefill copies, the
+    // file's permuted q/k with interleaved RoPE).
+    let (fast, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
+    let ids: Vec<u32> = vec![
+        1, 9690, 198, 504, 3575, 282, 4649, 314, 30, 2, 198, 1, 520, 9531,
+    ];
+    let t = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
+    let mut cache = fast.new_cache();
+    let want = fast
+        .forward(&t, &mut cache, Pass::Infer, LogitsAt::All)
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    // Training pass (hand-written backward path) over the whole sequence: (1, T, V).
+    let got = train.decoder.forward_train(&t).unwrap().squeeze(0).unwrap();
+    let d = max_abs_diff(&got, &want);
+    // Same f32 weights, other summation orders and RoPE layout: differences stay at f32
+    // rounding of logits of magnitude ~20 (a wrong permutation moves them by whole logits).
+    assert!(d < 2e-3, "max abs logit diff {d}");
+    for pos in 0..ids.len() {
+        let (g, w) = (got.get(pos).unwrap(), want.get(pos).unwrap());
+        assert_eq!(top_ids(&g, 5), top_ids(&w, 5), "position {pos}");
+    }
+    // The same dense decoder frozen (LoRA base) is the same function.
+    let (frozen, _) = load_gguf_dense(&path, DType::F32, &Device::Cpu, None).unwrap();
+    let mut c2 = frozen.new_cache();
+    let f = frozen
+        .forward(&t, &mut c2, Pass::Infer, LogitsAt::All)
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    assert!(max_abs_diff(&f, &want) < 2e-3);
+    // Permutation round trip.
+    let x = Tensor::arange(0f32, 576.0 * 3.0, &Device::Cpu)
+        .unwrap()
+        .reshape((576, 3))
+        .unwrap();
+    let back = permute_rope_rows(&permute_rope_rows(&x, 9, false).unwrap(), 9, true).unwrap();
+    assert_eq!(max_abs_diff(&back, &x), 0.0);
+}
+
+#[test]
+fn an_hf_layout_adapter_on_the_smollm2_gguf_equals_it_on_the_dequantized_model() {
+    use envace::runtime::loader::{AdapterConfig, attach_adapter, load_gguf_dense, peft_names};
+    let path = smollm2();
+    let (mut dense, _) = load_gguf_dense(&path, DType::F32, &Device::Cpu, None).unwrap();
+    let (mut quant, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
+    // A random adapter on q and k of every layer (the projections whose rows GGUF permutes),
+    // large enough to move the logits by whole units.
+    let cfg = AdapterConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        target_modules: vec!["q_proj".into(), "k_proj".into()],
+        base_model_name_or_path: None,
+    };
+    let mut tensors = HashMap::new();
+    for (name, lin) in dense.named_linears() {
+        let module = name.rsplit('.').next().unwrap();
+        if module != "q_proj" && module != "k_proj" {
+            continue;
+        }
+        let (out, inp) = lin.dims().unwrap();
+        let (a, b) = peft_names(&name);
+        tensors.insert(
+            a,
+            Tensor::randn(0f32, 0.05, (4, inp), &Device::Cpu).unwrap(),
+        );
+        tensors.insert(
+            b,
+            Tensor::randn(0f32, 0.05, (out, 4), &Device::Cpu).unwrap(),
+        );
+    }
+    let src = Path::new("adapter");
+    attach_adapter(&mut dense, &cfg, &tensors, src, true).unwrap();
+    attach_adapter(&mut quant, &cfg, &tensors, src, false).unwrap();
+    let ids: Vec<u32> = vec![1, 9690, 198, 504, 3575, 282, 4649, 314, 30];
+    let t = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
+    let (mut c1, mut c2) = (dense.new_cache(), quant.new_cache());
+    let a = dense
+        .forward(&t, &mut c1, Pass::Infer, LogitsAt::All)
+        .unwrap();
+    let b = quant
+        .forward(&t, &mut c2, Pass::Infer, LogitsAt::All)
+        .unwrap();
+    let d = max_abs_diff(&a, &b);
+    assert!(d < 5e-3, "max abs logit diff {d}");
+    // Without the permutation the adapter's q/k rows would land on other heads' rotary pairs.
+    let (plain, _) = load_gguf_dense(&path, DType::F32, &Device::Cpu, None).unwrap();
+    let mut c3 = plain.new_cache();
+    let base = plain
+        .forward(&t, &mut c3, Pass::Infer, LogitsAt::All)
+        .unwrap();
+    assert!(
+        max_abs_diff(&a, &base) > 0.1,
+        "the adapter must change the logits"
+    );
+}

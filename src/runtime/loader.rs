@@ -374,6 +374,128 @@ pub fn load_gguf(
     load_gguf_with(path, device, GgufOptions::default())
 }
 
+/// llama.cpp's tensor names → HF names, for the parts of a layer.
+const GGUF_LAYER_NAMES: &[(&str, &str)] = &[
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+];
+
+/// The HF name of a GGUF tensor (`None` for tensors the decoder does not use).
+pub fn gguf_to_hf_name(name: &str) -> Option<String> {
+    match name {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (part, kind) = rest.rsplit_once('.')?;
+    let hf = GGUF_LAYER_NAMES
+        .iter()
+        .find(|(g, _)| *g == part)
+        .map(|(_, h)| *h)?;
+    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// llama.cpp stores the q and k projections of llama models with each head's rows permuted
+/// for its interleaved RoPE: HF row `(h, j, i)` (half `j`, pair `i`) is GGUF row `(h, i, j)`.
+/// `to_hf` undoes that permutation; otherwise it applies it (HF → GGUF), e.g. to an adapter's
+/// B matrix before it is attached to a GGUF base.
+pub fn permute_rope_rows(t: &Tensor, heads: usize, to_hf: bool) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims.first().copied().unwrap_or(0);
+    let cols: usize = dims.iter().skip(1).product();
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "cannot permute {rows} rows into {heads} heads of RoPE pairs"
+        )));
+    }
+    let half = rows / heads / 2;
+    let split = if to_hf {
+        (heads, half, 2, cols)
+    } else {
+        (heads, 2, half, cols)
+    };
+    t.reshape(split)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims.as_slice())
+}
+
+/// Every tensor of a GGUF file dequantized (f32) under its HF name, with llama q/k rows back in
+/// HF order: the dense, trainable form of a quantized checkpoint. The returned config describes
+/// those tensors (HF RoPE layout; tied embeddings when the file has no `output.weight`).
+pub fn gguf_hf_tensors(
+    path: &Path,
+    device: &Device,
+) -> Result<(DecoderConfig, HashMap<String, Tensor>, gguf_file::Content), RuntimeError> {
+    let (mut f, ct, mut cfg) = read_gguf_header(path)?;
+    let permuted = cfg.rope_interleaved && cfg.family == Family::Llama;
+    let mut out = HashMap::new();
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        let Some(hf) = gguf_to_hf_name(name) else {
+            continue;
+        };
+        let terr = |message: String| RuntimeError::Tensor {
+            path: path.display().to_string(),
+            name: name.clone(),
+            message,
+        };
+        let q = ct
+            .tensor(&mut f, name, device)
+            .map_err(|e| terr(e.to_string()))?;
+        let mut t = q
+            .dequantize(device)
+            .map_err(|e| terr(format!("cannot dequantize: {e}")))?;
+        if permuted && hf.ends_with("q_proj.weight") {
+            t = permute_rope_rows(&t, cfg.num_attention_heads, true)
+                .map_err(|e| terr(e.to_string()))?;
+        } else if permuted && hf.ends_with("k_proj.weight") {
+            t = permute_rope_rows(&t, cfg.num_key_value_heads, true)
+                .map_err(|e| terr(e.to_string()))?;
+        }
+        out.insert(hf, t);
+    }
+    cfg.rope_interleaved = false;
+    cfg.tie_word_embeddings = !out.contains_key("lm_head.weight");
+    Ok((cfg, out, ct))
+}
+
+/// A GGUF file as a dense decoder in `dtype` (trainable with `trainable`): see
+/// [`gguf_hf_tensors`].
+pub fn load_gguf_dense(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    trainable: Option<&VarMap>,
+) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
+    let (cfg, tensors, ct) = gguf_hf_tensors(path, device)?;
+    let tensors = tensors
+        .into_iter()
+        .map(|(k, v)| (k, (v, path.to_path_buf())))
+        .collect();
+    let decoder = build_dense(&cfg, tensors, dtype, device, trainable)?;
+    Ok((decoder, ct))
+}
+
+/// Whether a model path is a GGUF file.
+pub fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf")
+}
+
 /// Stack quantized projections of the same input (q/k/v, gate/up) into one quantized matrix,
 /// each keeping its rows as a part (see [`Weight::Quant`]): a decode step then quantizes the
 /// input once and makes one kernel call instead of two or three. The separate matrices are
@@ -443,11 +565,10 @@ fn stack_quantized<const N: usize>(
 }
 
 /// Load a GGUF file with explicit options.
-pub fn load_gguf_with(
+/// Open a GGUF file and read its metadata into a [`DecoderConfig`] (llama, qwen2, qwen3).
+fn read_gguf_header(
     path: &Path,
-    device: &Device,
-    opts: GgufOptions,
-) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
+) -> Result<(std::fs::File, gguf_file::Content, DecoderConfig), RuntimeError> {
     let mut f =
         std::fs::File::open(path).map_err(|e| file_err(path, format!("cannot open: {e}")))?;
     let ct = gguf_file::Content::read(&mut f)
@@ -487,24 +608,25 @@ pub fn load_gguf_with(
         .unwrap_or(hidden / nh.max(1));
     let layers_n = meta.u32("block_count")?;
     let ctx = meta.u32("context_length").unwrap_or(4096);
-    let mut read = |name: &str| -> Result<QTensor, RuntimeError> {
-        ct.tensor(&mut f, name, device)
-            .map_err(|e| RuntimeError::Tensor {
-                path: path.display().to_string(),
-                name: name.into(),
-                message: format!("{e}"),
-            })
+    let embed = ct
+        .tensor_infos
+        .get("token_embd.weight")
+        .ok_or_else(|| RuntimeError::Tensor {
+            path: path.display().to_string(),
+            name: "token_embd.weight".into(),
+            message: "missing".into(),
+        })?;
+    // candle reverses GGUF's innermost-first dims: [vocab, hidden].
+    let dims = embed.shape.dims();
+    let (vocab, emb_dim) = match dims {
+        [v, h] => (*v, *h),
+        _ => (0, 0),
     };
-    let embed_q = read("token_embd.weight")?;
-    let (vocab, emb_dim) = embed_q.shape().dims2()?;
     if emb_dim != hidden {
         return Err(RuntimeError::Tensor {
             path: path.display().to_string(),
             name: "token_embd.weight".into(),
-            message: format!(
-                "shape mismatch: expected [{vocab}, {hidden}], got {:?}",
-                embed_q.shape().dims()
-            ),
+            message: format!("shape mismatch: expected [{vocab}, {hidden}], got {dims:?}"),
         });
     }
     let cfg = DecoderConfig {
@@ -535,6 +657,24 @@ pub fn load_gguf_with(
             .into_iter()
             .collect(),
     };
+    Ok((f, ct, cfg))
+}
+
+pub fn load_gguf_with(
+    path: &Path,
+    device: &Device,
+    opts: GgufOptions,
+) -> Result<(Decoder, gguf_file::Content), RuntimeError> {
+    let (mut f, ct, cfg) = read_gguf_header(path)?;
+    let mut read = |name: &str| -> Result<QTensor, RuntimeError> {
+        ct.tensor(&mut f, name, device)
+            .map_err(|e| RuntimeError::Tensor {
+                path: path.display().to_string(),
+                name: name.into(),
+                message: format!("{e}"),
+            })
+    };
+    let embed_q = read("token_embd.weight")?;
     let dense_bytes = cfg.parameter_count() * 4;
     let keep_dense =
         opts.dense_prefill && device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
@@ -584,8 +724,8 @@ pub fn load_gguf_with(
     };
     let dq = |t: &QTensor| -> Result<Tensor, RuntimeError> { Ok(t.dequantize(device)?) };
     let embed = dq(&embed_q)?;
-    let mut layers = Vec::with_capacity(layers_n);
-    for i in 0..layers_n {
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
         let p = format!("blk.{i}");
         let mut lin = |n: &str, bias: bool| -> Result<Linear, RuntimeError> {
             let name = format!("{p}.{n}.weight");
@@ -866,6 +1006,11 @@ pub fn attach_adapter(
     };
     let mut used = 0usize;
     let mut adapted = 0usize;
+    let permuted = decoder.cfg.rope_interleaved && decoder.cfg.family == Family::Llama;
+    let heads = (
+        decoder.cfg.num_attention_heads,
+        decoder.cfg.num_key_value_heads,
+    );
     for (name, lin) in decoder.named_linears_mut() {
         let module = name.rsplit('.').next().unwrap_or(&name);
         let (an, bn) = peft_names(&name);
@@ -896,9 +1041,15 @@ pub fn attach_adapter(
                 ),
             ));
         }
+        // Adapters are stored in HF row order; a llama GGUF base keeps q/k rows permuted.
+        let b = match module {
+            "q_proj" if permuted => permute_rope_rows(b, heads.0, false)?,
+            "k_proj" if permuted => permute_rope_rows(b, heads.1, false)?,
+            _ => b.clone(),
+        };
         lin.lora = Some(LoraWeights {
             a: a.clone(),
-            b: b.clone(),
+            b,
             scale,
         });
         if merge {

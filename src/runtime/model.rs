@@ -87,26 +87,7 @@ impl LocalModel {
         let decoder = load_hf(&files, dtype, device, None)?;
         let tokenizer = Tokenizer::from_file(&files.tokenizer)?;
         let template = match &files.tokenizer_config {
-            Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| RuntimeError::File {
-                    path: p.display().to_string(),
-                    message: e.to_string(),
-                })?;
-                let v: Value = serde_json::from_str(&text).map_err(|e| RuntimeError::File {
-                    path: p.display().to_string(),
-                    message: format!("invalid JSON: {e}"),
-                })?;
-                match from_tokenizer_config(&v) {
-                    Some((src, bos, eos)) => {
-                        ChatTemplate::new(&src, &bos, &eos).map_err(|e| RuntimeError::Field {
-                            path: p.display().to_string(),
-                            field: "chat_template".into(),
-                            message: e.to_string(),
-                        })?
-                    }
-                    None => ChatTemplate::chatml(),
-                }
-            }
+            Some(p) => read_template(p)?.unwrap_or_else(ChatTemplate::chatml),
             None => ChatTemplate::chatml(),
         };
         let mut eos_ids = decoder.cfg.eos_token_ids.clone();
@@ -144,6 +125,11 @@ impl LocalModel {
             });
         }
         let mut model = Self::load_on(&base_dir, device, dtype)?;
+        // An adapter trained with its own chat template (as `envace pretrain --lora` writes
+        // one beside it) speaks that template, not the base's.
+        if let Some(template) = template_in_dir(dir)? {
+            model.template = template;
+        }
         let dt = model.decoder.dtype;
         let tensors = tensors
             .into_iter()
@@ -167,12 +153,7 @@ impl LocalModel {
 
     fn load_gguf(path: &Path, device: &Device) -> Result<Self, RuntimeError> {
         let (decoder, ct) = load_gguf(path, device)?;
-        let inner = tokenizers::Tokenizer::from_gguf(&ct).map_err(|e| RuntimeError::Field {
-            path: path.display().to_string(),
-            field: "tokenizer.ggml.*".into(),
-            message: format!("cannot build tokenizer: {e}"),
-        })?;
-        let tokenizer = Tokenizer::from_inner(inner);
+        let tokenizer = tokenizer_of_gguf(path, &ct)?;
         let token_str = |key: &str| -> String {
             ct.metadata
                 .get(key)
@@ -311,6 +292,65 @@ impl LocalModel {
                 .collect(),
         )
     }
+}
+
+/// The chat template of a `tokenizer_config.json` (`None` when it has none).
+fn read_template(p: &Path) -> Result<Option<ChatTemplate>, RuntimeError> {
+    let text = std::fs::read_to_string(p).map_err(|e| RuntimeError::File {
+        path: p.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| RuntimeError::File {
+        path: p.display().to_string(),
+        message: format!("invalid JSON: {e}"),
+    })?;
+    from_tokenizer_config(&v)
+        .map(|(src, bos, eos)| {
+            ChatTemplate::new(&src, &bos, &eos).map_err(|e| RuntimeError::Field {
+                path: p.display().to_string(),
+                field: "chat_template".into(),
+                message: e.to_string(),
+            })
+        })
+        .transpose()
+}
+
+/// The chat template of `dir/tokenizer_config.json`, when that file exists and has one.
+fn template_in_dir(dir: &Path) -> Result<Option<ChatTemplate>, RuntimeError> {
+    let p = dir.join("tokenizer_config.json");
+    if p.is_file() {
+        read_template(&p)
+    } else {
+        Ok(None)
+    }
+}
+
+/// The tokenizer a GGUF file describes (`tokenizer.ggml.*`).
+fn tokenizer_of_gguf(
+    path: &Path,
+    ct: &candle_core::quantized::gguf_file::Content,
+) -> Result<Tokenizer, RuntimeError> {
+    let inner = tokenizers::Tokenizer::from_gguf(ct).map_err(|e| RuntimeError::Field {
+        path: path.display().to_string(),
+        field: "tokenizer.ggml.*".into(),
+        message: format!("cannot build tokenizer: {e}"),
+    })?;
+    Ok(Tokenizer::from_inner(inner))
+}
+
+/// The tokenizer of a GGUF file, read without its weights (for training on a GGUF base).
+pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer, RuntimeError> {
+    let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::File {
+        path: path.display().to_string(),
+        message: format!("cannot open: {e}"),
+    })?;
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| {
+        RuntimeError::File {
+            path: path.display().to_string(),
+            message: format!("not a valid GGUF file: {e}"),
+        }
+    })?;
+    tokenizer_of_gguf(path, &ct)
 }
 
 fn common_len(a: &[u32], b: &[u32]) -> usize {

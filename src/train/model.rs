@@ -16,7 +16,7 @@ use crate::runtime::fixture::random_weights;
 use crate::runtime::fused;
 use crate::runtime::loader::{
     ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, build_dense, is_adapter_dir,
-    load_hf, read_adapter,
+    is_gguf, load_gguf_dense, load_hf, read_adapter,
 };
 use crate::train::lora::{LoraConfig, init_adapter};
 
@@ -40,16 +40,15 @@ impl std::fmt::Debug for TrainableModel {
 }
 
 impl TrainableModel {
-    /// Load an HF checkpoint directory with every weight trainable (f32). A LoRA adapter
-    /// directory (a LoRA run's checkpoint) loads in LoRA mode: its base frozen, its adapter
-    /// trainable.
+    /// Load an HF checkpoint directory, or a GGUF file (dequantized, see
+    /// [`load_gguf_dense`]), with every weight trainable (f32). A LoRA adapter directory (a LoRA
+    /// run's checkpoint) loads in LoRA mode: its base frozen, its adapter trainable.
     pub fn load(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
         if is_adapter_dir(dir) {
             return Self::load_adapter(dir, device);
         }
-        let files = CheckpointFiles::locate(dir)?;
         let varmap = VarMap::new();
-        let decoder = load_hf(&files, DType::F32, device, Some(&varmap))?;
+        let decoder = load_base(dir, device, Some(&varmap))?;
         Ok(Self {
             decoder,
             varmap,
@@ -61,8 +60,7 @@ impl TrainableModel {
     /// LoRA mode on a base HF checkpoint: fresh adapters (A seeded Kaiming-uniform, B zero, so
     /// the model starts exactly as the base) on `cfg.targets`; the base weights are frozen.
     pub fn load_lora(base: &Path, cfg: &LoraConfig, device: &Device) -> Result<Self, RuntimeError> {
-        let files = CheckpointFiles::locate(base)?;
-        let decoder = load_hf(&files, DType::F32, device, None)?;
+        let decoder = load_base(base, device, None)?;
         let tensors = init_adapter(&decoder, cfg)?;
         let acfg = AdapterConfig {
             r: cfg.r,
@@ -84,8 +82,7 @@ impl TrainableModel {
     pub fn load_adapter(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
         let (acfg, tensors) = read_adapter(dir)?;
         let base = acfg.resolve_base(dir)?;
-        let files = CheckpointFiles::locate(&base)?;
-        let decoder = load_hf(&files, DType::F32, device, None)?;
+        let decoder = load_base(&base, device, None)?;
         Self::with_adapter(decoder, acfg, tensors, dir, device)
     }
 
@@ -164,6 +161,20 @@ impl TrainableModel {
             .map(|(k, v)| (k, v.as_tensor().clone()))
             .collect()
     }
+}
+
+/// A base checkpoint (HF directory or GGUF file) as a dense f32 decoder; its weights become
+/// `Var`s in `varmap` when given (full fine-tuning), else they stay frozen tensors.
+fn load_base(
+    path: &Path,
+    device: &Device,
+    varmap: Option<&VarMap>,
+) -> Result<Decoder, RuntimeError> {
+    if is_gguf(path) {
+        return Ok(load_gguf_dense(path, DType::F32, device, varmap)?.0);
+    }
+    let files = CheckpointFiles::locate(path)?;
+    load_hf(&files, DType::F32, device, varmap)
 }
 
 /// One training sequence: `mask[i]` weights the prediction of `ids[i]` from `ids[..i]`

@@ -38,7 +38,10 @@ use crate::runtime::CancelToken;
 use crate::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, ChatTemplate};
 use crate::runtime::config::{DecoderConfig, Family};
 use crate::runtime::fixture::tokenizer_config_with;
+use crate::runtime::loader::is_gguf;
+use crate::runtime::model::gguf_tokenizer;
 use crate::runtime::tokenizer::Tokenizer;
+use crate::train::lora::LoraConfig;
 
 /// Pretraining settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,6 +57,9 @@ pub struct PretrainConfig {
     #[serde(default)]
     pub corpus: CorpusConfig,
     pub sft: SftConfig,
+    /// Train a LoRA adapter on the `--init` model instead of every weight.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
 }
 
 /// What goes into the pretraining corpus.
@@ -155,6 +161,7 @@ impl Default for PretrainConfig {
                 checkpoint_every: 0,
                 time_budget_s: Some(900.0),
             },
+            lora: None,
         }
     }
 }
@@ -810,6 +817,10 @@ pub struct PretrainReport {
 /// checkpoint not made by `envace pretrain`); an unreadable or malformed one is an error that
 /// names the file (and the line and column).
 fn parent_record(dir: &Path) -> Result<Option<serde_json::Value>, TrainError> {
+    if !dir.is_dir() {
+        // A model file (GGUF) carries no record.
+        return Ok(None);
+    }
     let path = dir.join("pretrain.json");
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
@@ -847,6 +858,8 @@ pub fn run_pretrain(
         .map_err(|e| TrainError::Data(format!("{}: {e}", work.display())))?;
     let tok_path = work.join("tokenizer.json");
     let hf_tok = match init {
+        // A GGUF file: its own tokenizer, as the inference path builds it.
+        Some(file) if is_gguf(file) => gguf_tokenizer(file)?.inner().clone(),
         // Continue training an existing model: keep its tokenizer.
         Some(dir) => {
             std::fs::copy(dir.join("tokenizer.json"), &tok_path).map_err(|e| {
@@ -905,9 +918,15 @@ pub fn run_pretrain(
         eos_token_ids: vec![im_end],
     };
     let device = candle_core::Device::Cpu;
-    let model = match init {
-        Some(dir) => TrainableModel::load(dir, &device)?,
-        None => TrainableModel::init(&dcfg, cfg.seed, &device)?,
+    let model = match (init, &cfg.lora) {
+        (Some(dir), Some(lora)) => TrainableModel::load_lora(dir, lora, &device)?,
+        (Some(dir), None) => TrainableModel::load(dir, &device)?,
+        (None, Some(_)) => {
+            return Err(TrainError::Data(
+                "--lora needs --init: an adapter trains on an existing model".into(),
+            ));
+        }
+        (None, None) => TrainableModel::init(&dcfg, cfg.seed, &device)?,
     };
     let dcfg = model.decoder.cfg.clone();
     let mut sft = cfg.sft.clone();
