@@ -429,6 +429,9 @@ pub struct PretrainArgs {
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,
+    /// Learning-rate warmup steps (linear), before the cosine decay.
+    #[arg(long, default_value_t = 100)]
+    pub warmup: usize,
     /// Print corpus statistics and samples, train nothing.
     #[arg(long)]
     pub dry_run: bool,

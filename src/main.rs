@@ -125,6 +125,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.sft.lr = a.lr;
     cfg.sft.time_budget_s = Some(a.minutes * 60.0);
     cfg.sft.checkpoint_every = a.checkpoint_every;
+    cfg.sft.warmup = a.warmup;
     cfg.corpus.tasks_per_domain = a.tasks_per_domain;
     cfg.corpus.sim_per_task = a.sim_per_task;
     cfg.corpus.memory_fraction = a.memory_fraction;

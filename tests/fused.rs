@@ -370,3 +370,35 @@ fn a_plain_backward_does_not_leak_into_the_next_training_backward() {
         assert_close(&format!("{name} after a stray backward"), b, a, 1e-6);
     }
 }
+
+/// The loss on logits computed at the masked positions only (what SFT and GRPO use) equals the
+/// loss on all positions' logits, with the same gradient for every weight (tied embeddings: the
+/// head's gradient reaches the embedding through the selected rows only).
+#[test]
+fn logits_at_masked_positions_only_give_the_full_losses_and_gradients() {
+    use envace::train::model::{batch_tensors, masked_token_terms, token_logprobs};
+    let mut cfg = tiny_config(Family::Llama);
+    cfg.tie_word_embeddings = true;
+    let model = TrainableModel::init(&cfg, 9, &Device::Cpu).unwrap();
+    let ex = batch(cfg.vocab_size as u32);
+    let refs: Vec<&Example> = ex.iter().collect();
+    with_kernels(Kernels::Fused, || {
+        assert!(train_pass::applies(&model.decoder));
+        let (ids, mask) = batch_tensors(&refs, &Device::Cpu).unwrap();
+        let full = (token_logprobs(&model.decoder, &ids).unwrap() * &mask).unwrap();
+        let lf = full.sum_all().unwrap();
+        let gf = train_pass::backward(&lf).unwrap();
+        let (sel, ent) = masked_token_terms(&model.decoder, &ids, &mask, true).unwrap();
+        assert!(ent.is_some());
+        assert_close("per-token log-probs", &sel, &full, 1e-5);
+        let ls = sel.sum_all().unwrap();
+        let gs = train_pass::backward(&ls).unwrap();
+        for (name, v) in model.named_vars() {
+            let (a, b) = (
+                gs.get(v.as_tensor()).unwrap(),
+                gf.get(v.as_tensor()).unwrap(),
+            );
+            assert_close(&name, a, b, 1e-4);
+        }
+    });
+}

@@ -549,6 +549,23 @@ impl Decoder {
         self.forward(ids, &mut cache, Pass::Train, LogitsAt::All)
     }
 
+    /// [`Decoder::forward_train`] with logits only at the flat positions `rows` (indices into
+    /// the `b · l` positions, row-major): (rows.len(), vocab). The hand-written training pass
+    /// skips the vocabulary projection elsewhere; the autograd path selects from all logits.
+    pub fn forward_train_at(&self, ids: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        if super::train_pass::applies(self) {
+            return super::train_pass::forward_at(self, ids, Some(rows));
+        }
+        let all = self.forward_train(ids)?;
+        let (b, l, v) = all.dims3()?;
+        let idx = Tensor::from_vec(
+            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            rows.len(),
+            &self.device,
+        )?;
+        all.reshape((b * l, v))?.index_select(&idx, 0)
+    }
+
     /// Final hidden states (b, l, hidden) after the last norm.
     pub fn hidden(&self, ids: &Tensor, cache: &mut KvCache, pass: Pass) -> Result<Tensor> {
         let (b, l) = ids.dims2()?;

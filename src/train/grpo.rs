@@ -297,17 +297,15 @@ impl EventSink for RolloutSink {
     }
 }
 
-/// Per-token log-probs (B, T-1) and entropies (B, T-1) under `decoder` in training mode.
+/// Per-token log-probs (B, T-1) and entropies (B, T-1) under `decoder` in training mode, at
+/// the generated positions (`mask`; zero elsewhere).
 fn policy_terms(
     decoder: &Decoder,
     ids: &Tensor,
+    mask: &Tensor,
     entropy: bool,
 ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-    let (_, t) = ids.dims2()?;
-    let inp = ids.narrow(1, 0, t - 1)?;
-    let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
-    let logits = decoder.forward_train(&inp)?;
-    crate::runtime::fused::token_logprobs_entropy(&logits, &tgt, entropy)
+    super::model::masked_token_terms(decoder, ids, mask, entropy)
 }
 
 /// The loss pieces of one micro-batch, already divided by their [`Norms`].
@@ -417,7 +415,7 @@ fn micro_loss(
     }
     let adv = Tensor::from_vec(adv, (b, t1), dev)?;
     let old = Tensor::from_vec(old, (b, t1), dev)?;
-    let (lp, ent) = policy_terms(policy, &ids, cfg.entropy_coef > 0.0)?;
+    let (lp, ent) = policy_terms(policy, &ids, &mask, cfg.entropy_coef > 0.0)?;
     let ratio = (&lp - &old)?.exp()?;
     let gap = (ratio.detach() - 1.0)?.abs()?;
     let ratio_gap = (&gap * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
@@ -431,7 +429,7 @@ fn micro_loss(
     if let Some(reference) = reference
         && cfg.kl_coef > 0.0
     {
-        let (ref_lp, _) = policy_terms(reference, &ids, false)?;
+        let (ref_lp, _) = policy_terms(reference, &ids, &mask, false)?;
         let d = (ref_lp.detach() - &lp)?;
         let k3 = ((d.exp()? - &d)? - 1.0)?;
         let kl = ((k3 * &mask)?.sum_all()? / norms.all)?;

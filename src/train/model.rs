@@ -231,10 +231,48 @@ pub fn token_logprobs(decoder: &Decoder, ids: &Tensor) -> candle_core::Result<Te
     fused::token_logprobs(&logits, &tgt)
 }
 
+/// Log-probability (and, with `entropy`, the entropy) of each next token at the positions
+/// where `mask` (B, T-1) is non-zero, zero elsewhere: (B, T-1) each, differentiable. Logits are
+/// computed at those positions only (see [`Decoder::forward_train_at`]).
+pub fn masked_token_terms(
+    decoder: &Decoder,
+    ids: &Tensor,
+    mask: &Tensor,
+    entropy: bool,
+) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    let (b, t) = ids.dims2()?;
+    let inp = ids.narrow(1, 0, t - 1)?;
+    let tgt = ids.narrow(1, 1, t - 1)?.contiguous()?;
+    let rows: Vec<u32> = mask
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| **m != 0.0)
+        .map(|(i, _)| i as u32)
+        .collect();
+    let n = b * (t - 1);
+    if rows.is_empty() {
+        let z = Tensor::zeros((b, t - 1), candle_core::DType::F32, &decoder.device)?;
+        return Ok((z.clone(), entropy.then_some(z)));
+    }
+    let positions: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
+    let idx = Tensor::from_vec(rows, positions.len(), &decoder.device)?;
+    let logits = decoder.forward_train_at(&inp, &positions)?.unsqueeze(0)?;
+    let tgt_sel = tgt.flatten_all()?.index_select(&idx, 0)?.unsqueeze(0)?;
+    let (lp, ent) = fused::token_logprobs_entropy(&logits, &tgt_sel, entropy)?;
+    let spread = |x: Tensor| -> candle_core::Result<Tensor> {
+        Tensor::zeros(n, candle_core::DType::F32, &decoder.device)?
+            .index_add(&idx, &x.squeeze(0)?, 0)?
+            .reshape((b, t - 1))
+    };
+    Ok((spread(lp)?, ent.map(spread).transpose()?))
+}
+
 /// Token-mean negative log-likelihood over the masked tokens, and the number of such tokens.
 pub fn masked_nll(decoder: &Decoder, examples: &[&Example]) -> candle_core::Result<(Tensor, f64)> {
     let (ids, mask) = batch_tensors(examples, &decoder.device)?;
-    let lp = token_logprobs(decoder, &ids)?;
+    let (lp, _) = masked_token_terms(decoder, &ids, &mask, false)?;
     let n = mask.sum_all()?.to_scalar::<f32>()? as f64;
     let loss = ((lp * &mask)?.sum_all()?.neg()? / n.max(1.0))?;
     Ok((loss, n))
