@@ -373,7 +373,9 @@ fn trainable_model(
     use envace::train::lora::LoraConfig;
     use envace::train::model::TrainableModel;
     Ok(match resume {
-        Some(dir) => {
+        Some(path) => {
+            // A run directory resumes from its latest complete checkpoint.
+            let dir = &envace::train::checkpoint::resolve_checkpoint(path)?;
             let loaded = envace::train::checkpoint::load_for_resume(dir, device)?;
             let m = TrainableModel::load(dir, device)
                 .with_context(|| format!("loading checkpoint {}", dir.display()))?;

@@ -9,7 +9,7 @@ use candle_core::Device;
 use envace::runtime::config::Family;
 use envace::runtime::fixture::write_tiny_checkpoint;
 use envace::runtime::{CancelToken, LocalModel};
-use envace::train::checkpoint::load_for_resume;
+use envace::train::checkpoint::{load_for_resume, resolve_checkpoint};
 use envace::train::metrics::MemorySink;
 use envace::train::model::{Example, TrainableModel, batch_tensors, masked_nll, token_logprobs};
 use envace::train::sft::{SftConfig, run_sft};
@@ -152,6 +152,21 @@ fn resume_continues_bit_for_bit() {
     );
     // The checkpoint is a loadable model directory.
     LocalModel::load_on(&out2.join("final"), &Device::Cpu, None).unwrap();
+    // `--resume` takes the run directory too: its latest complete checkpoint (`final` once the
+    // run finished, else the highest `checkpoint-N`).
+    assert_eq!(resolve_checkpoint(&out).unwrap(), out.join("final"));
+    assert_eq!(resolve_checkpoint(&ck).unwrap(), ck);
+    std::fs::rename(out.join("final"), dir.path().join("final-moved")).unwrap();
+    std::fs::create_dir_all(out.join("checkpoint-12-tmp")).unwrap();
+    assert_eq!(resolve_checkpoint(&out).unwrap(), out.join("checkpoint-8"));
+    let e = resolve_checkpoint(&dir.path().join("nothing-here"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("nothing-here"), "{e}");
+    let empty = dir.path().join("empty-run");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = resolve_checkpoint(&empty).unwrap_err().to_string();
+    assert!(e.contains("no `final` or `checkpoint-N`"), "{e}");
 }
 
 #[test]

@@ -210,6 +210,46 @@ pub struct Loaded {
     pub optimizer: HashMap<String, Tensor>,
 }
 
+/// The checkpoint a `--resume` path names: the path itself when it is a checkpoint (it holds
+/// `trainer_state.json`), else, for a run directory (what `--out` wrote), its latest complete
+/// checkpoint: `final` when the run finished, otherwise the `checkpoint-N` with the largest N.
+/// Checkpoints are renamed into place whole, so every such directory is complete.
+pub fn resolve_checkpoint(path: &Path) -> Result<std::path::PathBuf, CheckpointError> {
+    if path.join("trainer_state.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let missing = |m: String| CheckpointError::Corrupt {
+        path: path.display().to_string(),
+        message: m,
+    };
+    if !path.is_dir() {
+        return Err(missing("no such checkpoint or run directory".into()));
+    }
+    let fin = path.join("final");
+    if fin.join("trainer_state.json").is_file() {
+        return Ok(fin);
+    }
+    let entries = std::fs::read_dir(path).map_err(|e| io(path, e))?;
+    let latest = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step: usize = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            e.path()
+                .join("trainer_state.json")
+                .is_file()
+                .then(|| (step, e.path()))
+        })
+        .max_by_key(|(step, _)| *step);
+    latest.map(|(_, p)| p).ok_or_else(|| {
+        missing(
+            "trainer_state.json is missing and the directory holds no `final` or \
+             `checkpoint-N` checkpoint (was the checkpoint interrupted?)"
+                .into(),
+        )
+    })
+}
+
 /// Read and validate a checkpoint for resuming.
 pub fn load_for_resume(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
     let corrupt = |m: String| CheckpointError::Corrupt {

@@ -436,7 +436,14 @@ fn train(
     use crate::train::grpo::{GrpoRun, run_grpo};
     use crate::train::model::TrainableModel;
     let device = candle_core::Device::Cpu;
-    let from = req.resume.clone().unwrap_or_else(|| req.model.clone());
+    // A run directory resumes from its latest complete checkpoint.
+    let resume = match &req.resume {
+        Some(p) => {
+            Some(crate::train::checkpoint::resolve_checkpoint(p).map_err(|e| e.to_string())?)
+        }
+        None => None,
+    };
+    let from = resume.clone().unwrap_or_else(|| req.model.clone());
     let model = match (&req.resume, req.lora) {
         // A checkpoint (full or LoRA) continues as it was trained.
         (Some(_), _) | (None, 0) => TrainableModel::load(&from, &device),
@@ -447,7 +454,7 @@ fn train(
         }
     }
     .map_err(|e| e.to_string())?;
-    let resume = match &req.resume {
+    let resume = match &resume {
         Some(dir) => Some(
             crate::train::checkpoint::load_for_resume(dir, &device).map_err(|e| e.to_string())?,
         ),
