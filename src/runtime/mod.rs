@@ -19,6 +19,7 @@ pub mod model;
 pub mod quant_tiles;
 pub mod sampler;
 pub mod tokenizer;
+pub mod tool_format;
 pub mod train_attention;
 pub mod train_pass;
 
