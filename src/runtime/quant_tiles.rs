@@ -577,10 +577,54 @@ mod tests {
         QTensor::quantize(&w, dtype).unwrap()
     }
 
+    /// Without AVX-512BW the loader keeps candle's quantized matmul (`Tiles::new` gives `None`):
+    /// that fallback must compute the same block dot products the tiles would.
+    fn check_fallback(dtype: GgmlDType, out: usize, inp: usize) {
+        let w = Tensor::randn(0f32, 1.0, (out, inp), &Device::Cpu).unwrap();
+        let qt = QTensor::quantize(&w, dtype).unwrap();
+        let requant = matches!(dtype, GgmlDType::Q4_1);
+        let qm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+        for rows in [1, 3, MAX_ROWS] {
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+            let got = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (r, xr) in x.to_vec2::<f32>().unwrap().iter().enumerate() {
+                let want = reference(&qt, xr);
+                for (a, b) in got[r].iter().zip(&want) {
+                    // For Q8_0 weights candle quantizes activations to Q8_0 as the tiles do (only
+                    // summation order differs); for Q4_1 to Q8_1, whose block sums are stored as
+                    // f16.
+                    // Terms are ~N(0, 1), so a row's sum is of order sqrt(inp); a wrong
+                    // kernel or layout is off by that much.
+                    let tol = if requant {
+                        5e-3 * (inp as f64).sqrt()
+                    } else {
+                        1e-4 * (1.0 + b.abs())
+                    };
+                    assert!(
+                        (*a as f64 - b).abs() <= tol,
+                        "{dtype:?} fallback {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn candles_quantized_matmul_fallback_matches_the_block_reference() {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            check_fallback(dtype, 40, 576);
+            check_fallback(dtype, 16, 32);
+        }
+    }
+
     #[test]
     fn tiles_equal_the_blocks_dot_product_for_every_row_count_and_a_ragged_tile() {
         if !available() {
-            eprintln!("no AVX-512BW on this CPU: the tiled kernels are not used here");
+            // What runs instead on this CPU.
+            for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+                assert!(Tiles::new(&quantized(40, 576, dtype)).unwrap().is_none());
+                check_fallback(dtype, 40, 576);
+            }
             return;
         }
         // 40 rows leave a partial last tile.
@@ -610,6 +654,8 @@ mod tests {
 
     #[test]
     fn q8_tiles_match_candles_q8_kernel() {
+        // candle's kernel is what runs without the tiles: it must match the block reference.
+        check_fallback(GgmlDType::Q8_0, 48, 576);
         if !available() {
             return;
         }
@@ -633,6 +679,10 @@ mod tests {
     #[test]
     fn stacked_tiles_equal_the_parts_side_by_side() {
         if !available() {
+            // Nothing is stacked into tiles here; the loader's stacked QMatMul serves instead
+            // (tests/runtime.rs compares the whole GGUF model with candle's quantized llama).
+            assert!(Tiles::stack(&[]).is_none());
+            check_fallback(GgmlDType::Q8_0, 72, 64);
             return;
         }
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
