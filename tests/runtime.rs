@@ -669,3 +669,27 @@ fn an_hf_layout_adapter_on_the_smollm2_gguf_equals_it_on_the_dequantized_model()
         "the adapter must change the logits"
     );
 }
+
+#[test]
+fn a_chat_template_jinja_file_beside_the_config_is_the_models_template() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_checkpoint(dir.path(), Family::Qwen2, 3).unwrap();
+    let src = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/templates/smollm2-135m-instruct/chat_template.jinja"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("chat_template.jinja"), &src).unwrap();
+    let m = LocalModel::load_on(dir.path(), &Device::Cpu, None).unwrap();
+    assert_eq!(m.template.source, src);
+    let p = m
+        .render_chat(&[Message::user("hi")], &[], true, false)
+        .unwrap();
+    assert!(p.contains("named SmolLM"), "{p}");
+    // A broken one is an error naming that file.
+    std::fs::write(dir.path().join("chat_template.jinja"), "{% if %}").unwrap();
+    let e = LocalModel::load_on(dir.path(), &Device::Cpu, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("chat_template.jinja"), "{e}");
+}

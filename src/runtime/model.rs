@@ -304,18 +304,39 @@ fn read_template(p: &Path) -> Result<Option<ChatTemplate>, RuntimeError> {
         path: p.display().to_string(),
         message: format!("invalid JSON: {e}"),
     })?;
-    from_tokenizer_config(&v)
+    // Recent transformers save the template beside the config, in `chat_template.jinja`.
+    let jinja = p.with_file_name("chat_template.jinja");
+    let (found, from) =
+        match std::fs::read_to_string(&jinja) {
+            Ok(src) => {
+                let (_, bos, eos) = from_tokenizer_config(&json_with_template(&v, &src))
+                    .unwrap_or((String::new(), String::new(), String::new()));
+                (Some((src, bos, eos)), (jinja.as_path(), "template"))
+            }
+            Err(_) => (from_tokenizer_config(&v), (p, "chat_template")),
+        };
+    found
         .map(|(src, bos, eos)| {
             ChatTemplate::new(&src, &bos, &eos).map_err(|e| RuntimeError::Field {
-                path: p.display().to_string(),
-                field: "chat_template".into(),
+                path: from.0.display().to_string(),
+                field: from.1.into(),
                 message: e.to_string(),
             })
         })
         .transpose()
 }
 
-/// The chat template of `dir/tokenizer_config.json`, when that file exists and has one.
+/// `v` with `chat_template` set to `src` (to read the special tokens the usual way).
+fn json_with_template(v: &Value, src: &str) -> Value {
+    let mut v = v.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.insert("chat_template".into(), Value::String(src.to_string()));
+    }
+    v
+}
+
+/// The chat template of `dir/tokenizer_config.json` (or `dir/chat_template.jinja`), when that
+/// file exists and has one.
 fn template_in_dir(dir: &Path) -> Result<Option<ChatTemplate>, RuntimeError> {
     let p = dir.join("tokenizer_config.json");
     if p.is_file() {
