@@ -809,12 +809,6 @@ impl Environment for McpEnv {
                 },
             });
         }
-        let total: f64 = checklist.iter().map(|c| c.weight).sum();
-        let got: f64 = checklist
-            .iter()
-            .filter(|c| c.passed)
-            .map(|c| c.weight)
-            .sum();
         let all = checklist.iter().all(|c| c.passed);
         Ok(Score {
             reward: if all && trace.finished_normally {
@@ -822,7 +816,7 @@ impl Environment for McpEnv {
             } else {
                 0.0
             },
-            partial: if total > 0.0 { got / total } else { 0.0 },
+            partial: crate::env::reward::weighted_partial(&checklist),
             checklist,
         })
     }

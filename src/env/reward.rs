@@ -140,18 +140,7 @@ pub fn score_task(task: &Task, trace: &EpisodeTrace) -> Result<Score, EnvError> 
         });
     }
     let turns_ok = turn_states(task, trace, &mut checklist)?;
-    let total: f64 = checklist.iter().map(|c| c.weight).sum();
-    let got: f64 = checklist
-        .iter()
-        .filter(|c| c.passed)
-        .map(|c| c.weight)
-        .sum();
-    // `sum` of nothing is -0.0 for floats: keep an empty score a plain 0.
-    let partial = if total > 0.0 && got > 0.0 {
-        got / total
-    } else {
-        0.0
-    };
+    let partial = weighted_partial(&checklist);
     let success = trace.finished_normally && state_ok && turns_ok && missing.is_empty();
     Ok(Score {
         reward: if success { 1.0 } else { 0.0 },
@@ -219,5 +208,45 @@ pub fn gold_trace(task: &Task) -> EpisodeTrace {
                 Some(*n)
             })
             .collect(),
+    }
+}
+
+/// The weighted fraction of passed checklist items, in [0, 1]; a plain 0 (not -0: a float `sum`
+/// of nothing is -0.0, which printed as `partial -0.000`) when none passed or the list is empty.
+pub fn weighted_partial(checklist: &[ChecklistItem]) -> f64 {
+    let total: f64 = checklist.iter().map(|c| c.weight).sum();
+    let got: f64 = checklist
+        .iter()
+        .filter(|c| c.passed)
+        .map(|c| c.weight)
+        .sum();
+    if total > 0.0 && got > 0.0 {
+        got / total
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(weight: f64, passed: bool) -> ChecklistItem {
+        ChecklistItem {
+            name: "c".into(),
+            weight,
+            passed,
+            reason: String::new(),
+        }
+    }
+
+    #[test]
+    fn partial_is_a_plain_zero_when_nothing_passed() {
+        for list in [vec![], vec![item(1.0, false), item(2.0, false)]] {
+            let p = weighted_partial(&list);
+            assert!(p == 0.0 && p.is_sign_positive(), "{p}");
+            assert_eq!(format!("{p:.3}"), "0.000");
+        }
+        assert!((weighted_partial(&[item(1.0, true), item(3.0, false)]) - 0.25).abs() < 1e-12);
     }
 }
