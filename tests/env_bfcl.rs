@@ -144,3 +144,150 @@ fn cli_eval_bfcl_prints_accuracy_correct_total() {
         "{text}"
     );
 }
+
+/// One simple entry with one function whose parameters are `props`, and its ground truth.
+fn entry(props: Value, truth: Value) -> envace::env::bfcl::BfclEntry {
+    serde_json::from_value(serde_json::json!({
+        "id": "simple_python_9",
+        "question": [[{"role": "user", "content": "?"}]],
+        "function": [{"name": "f", "description": "", "parameters":
+            {"type": "dict", "properties": props, "required": []}}],
+        "ground_truth": [{"f": truth}],
+    }))
+    .unwrap()
+}
+
+/// The official verdict rules, one call each (`ast_checker.py`, bfcl-eval 2026.3.23).
+fn verdict(props: Value, truth: Value, args: Value) -> Result<(), String> {
+    let e = entry(props, truth);
+    let call = envace::message::ToolCall {
+        name: "f".into(),
+        arguments: args,
+    };
+    envace::env::bfcl::check_entry(&e, CheckMode::Simple, &[call])
+}
+
+#[test]
+fn ints_inside_a_float_list_are_rejected_though_a_bare_int_is_a_float() {
+    use serde_json::json;
+    let props =
+        json!({"xs": {"type": "array", "items": {"type": "float"}}, "y": {"type": "float"}});
+    let truth = json!({"xs": [[1.0, 2.0]], "y": [3.0]});
+    assert!(
+        verdict(
+            props.clone(),
+            truth.clone(),
+            json!({"xs": [1.0, 2.0], "y": 3})
+        )
+        .is_ok()
+    );
+    let e = verdict(props, truth, json!({"xs": [1, 2], "y": 3.0})).unwrap_err();
+    assert!(e.contains("wrong type"), "{e}");
+}
+
+#[test]
+fn types_are_checked_one_level_deep_and_values_compare_as_python_does() {
+    use serde_json::json;
+    let props =
+        json!({"t": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}});
+    // 10.0 == 10 in Python, and the inner lists' items are not type-checked.
+    let ok = verdict(
+        props,
+        json!({"t": [[[10, 20]]]}),
+        json!({"t": [[10.0, 20.0]]}),
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    let props = json!({"d": {"type": "dict", "properties": {}}});
+    // True == 1 in Python, inside an allowed dict too.
+    let ok = verdict(
+        props,
+        json!({"d": [{"on": [true]}]}),
+        json!({"d": {"on": 1}}),
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+#[test]
+fn strings_are_normalised_at_the_top_only_and_quotes_count_as_equal() {
+    use serde_json::json;
+    let props = json!({"s": {"type": "string"}, "l": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}}});
+    let truth = json!({"s": ["del 'a.txt'"], "l": ["", [["A b"]]]});
+    assert!(verdict(props.clone(), truth.clone(), json!({"s": "DEL \"A.TXT\""})).is_ok());
+    let e = verdict(props, truth, json!({"s": "del 'a.txt'", "l": [["a b"]]})).unwrap_err();
+    assert!(e.contains("not an allowed value"), "{e}");
+}
+
+#[test]
+fn a_value_of_the_ground_truths_type_is_a_variable_compared_as_it_is() {
+    use serde_json::json;
+    let props =
+        json!({"when": {"type": "string"}, "xs": {"type": "array", "items": {"type": "integer"}}});
+    // BFCL allows null for an optional string whose default is null.
+    let truth = json!({"when": ["", null], "xs": ["data['x']"]});
+    assert!(
+        verdict(
+            props.clone(),
+            truth.clone(),
+            json!({"when": null, "xs": "data['x']"})
+        )
+        .is_ok()
+    );
+    // A variable is not normalised.
+    let e = verdict(props, truth, json!({"xs": "DATA['x']"})).unwrap_err();
+    assert!(e.contains("not an allowed value"), "{e}");
+}
+
+#[test]
+fn an_empty_list_matches_an_optional_lists_omit_marker() {
+    use serde_json::json;
+    let props = json!({"xs": {"type": "array", "items": {"type": "string"}}});
+    assert!(verdict(props, json!({"xs": [["a"], ""]}), json!({"xs": []})).is_ok());
+}
+
+#[test]
+fn simple_entries_are_checked_against_the_first_function() {
+    use serde_json::json;
+    let mut e = entry(json!({}), json!({}));
+    e.function.insert(
+        0,
+        json!({"name": "g", "parameters": {"type": "dict", "properties": {}, "required": []}}),
+    );
+    let call = envace::message::ToolCall {
+        name: "f".into(),
+        arguments: json!({}),
+    };
+    let err = envace::env::bfcl::check_entry(&e, CheckMode::Simple, &[call]).unwrap_err();
+    assert!(err.contains("want g"), "{err}");
+}
+
+#[test]
+fn responses_round_trip_through_the_one_writer_and_reader() {
+    use envace::env::bfcl::{BfclResponse, write_response};
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("r.jsonl");
+    let rs = vec![
+        BfclResponse {
+            id: "a".into(),
+            calls: vec![envace::message::ToolCall {
+                name: "f".into(),
+                arguments: serde_json::json!({"x": [1, "y"]}),
+            }],
+            raw: Some("<tool_call>…</tool_call>".into()),
+        },
+        BfclResponse {
+            id: "b".into(),
+            calls: vec![],
+            raw: None,
+        },
+    ];
+    let mut f = std::fs::File::create(&p).unwrap();
+    for r in &rs {
+        write_response(&mut f, &p, r).unwrap();
+    }
+    let back = load_responses(&p).unwrap();
+    assert_eq!(back["a"], rs[0].calls);
+    assert!(back["b"].is_empty());
+    let text = std::fs::read_to_string(&p).unwrap();
+    assert!(text.lines().next().unwrap().contains("\"raw\""));
+    assert!(!text.lines().nth(1).unwrap().contains("raw"));
+}

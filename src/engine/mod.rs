@@ -15,6 +15,7 @@
 //!
 //! Data flows one way: runtime ← engine → env; engine → session.
 
+pub mod bfcl_eval;
 pub mod driver;
 pub mod eval;
 pub mod fidelity;

@@ -1,12 +1,21 @@
 //! BFCL-v4 single-turn tasks: the loader for `BFCL_v4_<category>.json` (JSON Lines) with its
-//! `possible_answer/BFCL_v4_<category>.json`, and an AST checker that follows BFCL's rules
-//! (gorilla `berkeley-function-call-leaderboard`, `ast_checker.py`): same function name; every
-//! required parameter present; no unknown parameter; types checked (an int is accepted for a
-//! float); strings normalised (lower-case, spaces and `,./-_*^` removed) and matched against the
-//! allowed list, where `""` means the parameter may be omitted; lists and dicts element-wise;
-//! parallel calls matched order-free; irrelevance passes when no call is made.
+//! `possible_answer/BFCL_v4_<category>.json`, the responses file (`{"id", "calls", "raw"?}` per
+//! line: written by the live evaluation, read by `envace eval bfcl --responses`), and an AST
+//! checker that gives the official verdict of gorilla's `ast_checker.py` (PyPI `bfcl-eval`
+//! 2026.3.23) on every entry, including its less obvious rules: Python's types (`5.0` is not an
+//! integer; an int is accepted for a float, but not inside a list of floats), Python's `==`
+//! (`True == 1`), strings standardised only at the top of a value or of a list, a value of the
+//! ground truth's type accepted as a "variable" and compared as it is, `""` meaning "may be
+//! omitted", simple categories checked against the first function, parallel calls matched
+//! greedily in order, irrelevance passed by making no call.
 //!
-//! Used by `envace eval bfcl` on pre-recorded calls, and by the engine on a live model.
+//! `scripts/bfcl-conformance` scores the same answers with the official checker and with this
+//! one and lists every disagreement; docs/BFCL.md records the result. Change a rule here only
+//! with that script run. Ground truths that contradict their own schema are data defects: they
+//! are listed there, never special-cased here.
+//!
+//! This module knows no model: `envace eval bfcl --model` generates in the engine
+//! (`engine::bfcl_eval`) and hands the responses back to be written and scored here.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -15,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::env::{ToolAnnotations, ToolSpec};
-use crate::message::ToolCall;
+use crate::message::{Message, ToolCall};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BfclError {
@@ -32,7 +41,12 @@ pub enum BfclError {
     },
     #[error("{path}: no possible answer for `{id}`")]
     MissingAnswer { path: PathBuf, id: String },
+    #[error("answering `{id}`: {source}")]
+    Respond { id: String, source: BoxError },
 }
+
+/// The error a [`BfclResponder`] reports (it lives in a layer this module does not know).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How a category is checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +104,26 @@ impl BfclEntry {
                 annotations: ToolAnnotations::default(),
             })
             .collect()
+    }
+
+    /// The messages of the first turn (single-turn categories have one), roles kept: some live
+    /// entries open with a system message. An unknown role is read as the user's.
+    pub fn messages(&self) -> Vec<Message> {
+        self.question
+            .first()
+            .map(|turn| {
+                turn.iter()
+                    .filter_map(|m| {
+                        let content = m["content"].as_str()?;
+                        Some(match m["role"].as_str() {
+                            Some("system") => Message::system(content),
+                            Some("assistant") => Message::assistant(content),
+                            _ => Message::user(content),
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// The user's messages of the first turn (single-turn categories have one).
@@ -200,138 +234,352 @@ pub fn load_category(dir: &Path, category: &str) -> Result<Vec<BfclEntry>, BfclE
     Ok(out)
 }
 
-/// BFCL's string normalisation.
+/// BFCL's string normalisation (`standardize_string`): `,./-_*^` and spaces removed, lower-cased
+/// (with Python's final-sigma rule, which `str::to_lowercase` shares), `'` turned into `"`.
 pub fn standardize(s: &str) -> String {
-    s.chars()
+    let kept: String = s
+        .chars()
         .filter(|c| !matches!(c, ' ' | ',' | '.' | '/' | '-' | '_' | '*' | '^'))
-        .flat_map(char::to_lowercase)
-        .collect()
+        .collect();
+    kept.to_lowercase().replace('\'', "\"")
 }
 
-fn type_ok(value: &Value, schema: &Value) -> Result<(), String> {
-    let ty = schema.get("type").and_then(Value::as_str).unwrap_or("any");
-    let ok = match ty.to_lowercase().as_str() {
-        "integer" | "int" | "long" | "short" | "byte" => value.is_i64() || value.is_u64(),
-        "float" | "number" | "double" => value.is_number(),
-        "string" | "str" | "char" => value.is_string(),
-        "boolean" | "bool" => value.is_boolean(),
-        "array" | "tuple" | "list" => match value.as_array() {
-            Some(items) => {
-                if let Some(item_schema) = schema.get("items") {
-                    for x in items {
-                        type_ok(x, item_schema)?;
-                    }
-                }
-                true
-            }
-            None => false,
-        },
-        "dict" | "object" => value.is_object(),
-        _ => true,
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("wrong type: expected {ty}, got {value}"))
+/// The Python type of a JSON value as `json.loads` makes it: what the official checker's
+/// `type(value) == …` tests see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PyType {
+    None,
+    Bool,
+    Int,
+    Float,
+    Str,
+    List,
+    Dict,
+}
+
+impl PyType {
+    fn of(v: &Value) -> PyType {
+        match v {
+            Value::Null => PyType::None,
+            Value::Bool(_) => PyType::Bool,
+            Value::Number(n) if n.is_f64() => PyType::Float,
+            Value::Number(_) => PyType::Int,
+            Value::String(_) => PyType::Str,
+            Value::Array(_) => PyType::List,
+            Value::Object(_) => PyType::Dict,
+        }
+    }
+
+    /// `PYTHON_TYPE_MAPPING`: the schema types BFCL's Python categories use (`any` is a string).
+    fn of_schema(ty: &str) -> Option<PyType> {
+        Some(match ty {
+            "string" | "any" => PyType::Str,
+            "integer" => PyType::Int,
+            "float" => PyType::Float,
+            "boolean" => PyType::Bool,
+            "array" | "tuple" => PyType::List,
+            "dict" => PyType::Dict,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            PyType::None => "null",
+            PyType::Bool => "boolean",
+            PyType::Int => "integer",
+            PyType::Float => "float",
+            PyType::Str => "string",
+            PyType::List => "array",
+            PyType::Dict => "dict",
+        }
     }
 }
 
-/// Does `value` match one allowed entry?
-fn matches(value: &Value, allowed: &Value) -> bool {
-    match (value, allowed) {
-        (Value::String(a), Value::String(b)) => standardize(a) == standardize(b),
-        (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
-        (Value::Bool(a), Value::Bool(b)) => a == b,
-        (Value::Null, Value::Null) => true,
-        (Value::Array(a), Value::Array(b)) => {
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| matches(x, y))
+/// A number as Python compares it: booleans are 0 and 1; integers stay exact.
+enum PyNum {
+    Int(i128),
+    Float(f64),
+}
+
+fn py_num(v: &Value) -> Option<PyNum> {
+    match v {
+        Value::Bool(b) => Some(PyNum::Int(i128::from(*b))),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                Some(PyNum::Int(i128::from(i)))
+            } else if let Some(u) = n.as_u64() {
+                Some(PyNum::Int(i128::from(u)))
+            } else {
+                n.as_f64().map(PyNum::Float)
+            }
         }
-        (Value::Object(a), Value::Object(b)) => dict_matches(a, b),
+        _ => None,
+    }
+}
+
+/// Python's `==` on JSON values, which the official checker's `in` tests use: `True == 1 == 1.0`,
+/// lists and dicts compare element-wise, nothing is normalised.
+fn py_eq(a: &Value, b: &Value) -> bool {
+    if let (Some(x), Some(y)) = (py_num(a), py_num(b)) {
+        return match (x, y) {
+            (PyNum::Int(x), PyNum::Int(y)) => x == y,
+            (PyNum::Int(x), PyNum::Float(y)) | (PyNum::Float(y), PyNum::Int(x)) => x as f64 == y,
+            (PyNum::Float(x), PyNum::Float(y)) => x == y,
+        };
+    }
+    match (a, b) {
+        (Value::Null, Value::Null) => true,
+        (Value::String(x), Value::String(y)) => x == y,
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| py_eq(p, q))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, p)| y.get(k).is_some_and(|q| py_eq(p, q)))
+        }
         _ => false,
     }
 }
 
-/// A dict value against an allowed dict: BFCL writes allowed dicts as `{key: [allowed]}`.
-fn dict_matches(a: &Map<String, Value>, b: &Map<String, Value>) -> bool {
-    let lists = b.values().all(Value::is_array);
-    if !lists {
-        return a.len() == b.len()
-            && a.iter()
-                .all(|(k, v)| b.get(k).is_some_and(|w| matches(v, w)));
+/// Python's `value in options`.
+fn py_in(value: &Value, options: &[Value]) -> bool {
+    options.iter().any(|o| py_eq(value, o))
+}
+
+fn is_omit_marker(v: &Value) -> bool {
+    v.as_str() == Some("")
+}
+
+/// A string standardised, anything else as it is (the official checker's list and dict rules).
+fn standardize_value(v: &Value) -> Value {
+    match v {
+        Value::String(s) => Value::String(standardize(s)),
+        other => other.clone(),
     }
-    for (k, v) in a {
-        let Some(Value::Array(options)) = b.get(k) else {
+}
+
+/// The elements Python sees when it iterates an allowed value with `range(len(x))` and `x[j]`:
+/// a list's items, or a string's characters (`""` is the empty list). `None` where Python would
+/// raise: the official checker has no verdict there, so the candidate never matches.
+fn py_items(v: &Value) -> Option<Vec<Value>> {
+    match v {
+        Value::Array(a) => Some(a.clone()),
+        Value::String(s) => Some(s.chars().map(|c| Value::String(c.to_string())).collect()),
+        _ => None,
+    }
+}
+
+/// `type_checker`: Ok(is_variable) when `value` has the schema's type, or the type of the first
+/// allowed value (then BFCL calls it a "variable": it is compared as it is, not normalised).
+/// Arrays have their items checked one level deep, with no int-to-float conversion.
+fn type_check(
+    value: &Value,
+    allowed: &[Value],
+    expected: PyType,
+    nested: Option<PyType>,
+) -> Result<bool, String> {
+    let answer_type = allowed.iter().find(|a| !is_omit_marker(a)).map(PyType::of);
+    let is_variable = answer_type.is_some_and(|t| t != expected);
+    let got = PyType::of(value);
+    if got == expected {
+        let (Some(nested), Some(items)) = (nested, value.as_array()) else {
+            return Ok(is_variable);
+        };
+        let fits = |option: &Value| match option {
+            Value::Array(option) => items
+                .iter()
+                .all(|x| type_check(x, option, nested, None).is_ok()),
+            _ => true,
+        };
+        if allowed.iter().any(fits) {
+            return Ok(is_variable);
+        }
+        return Err(format!(
+            "wrong type: expected {} of {}, got {value}",
+            expected.name(),
+            nested.name()
+        ));
+    }
+    if answer_type == Some(got) {
+        return Ok(true);
+    }
+    Err(format!(
+        "wrong type: expected {}, got {value}",
+        expected.name()
+    ))
+}
+
+/// `string_checker`: standardised value among the standardised allowed strings.
+fn string_check(value: &str, allowed: &[Value]) -> bool {
+    let v = standardize(value);
+    allowed
+        .iter()
+        .filter_map(Value::as_str)
+        .any(|a| standardize(a) == v)
+}
+
+/// `list_checker`: the list, its top-level strings standardised, equal to an allowed list
+/// standardised the same way.
+fn list_check(value: &[Value], allowed: &[Value]) -> bool {
+    let v = Value::Array(value.iter().map(standardize_value).collect());
+    allowed.iter().filter_map(py_items).any(|option| {
+        let o = Value::Array(option.iter().map(standardize_value).collect());
+        py_eq(&v, &o)
+    })
+}
+
+/// `dict_checker` against one allowed dict `{key: [allowed values]}`: every key given is allowed
+/// and its (standardised) value among the key's (standardised) values; every key not given may
+/// be omitted (`""`). Values inside are neither type-checked nor normalised below the top.
+fn dict_option_check(value: &Map<String, Value>, option: &Value) -> bool {
+    let Some(option) = option.as_object() else {
+        return false;
+    };
+    for (k, v) in value {
+        let Some(choices) = option.get(k).and_then(py_items) else {
             return false;
         };
-        if !options.iter().any(|o| matches(v, o)) {
+        let choices: Vec<Value> = choices.iter().map(standardize_value).collect();
+        if !py_in(&standardize_value(v), &choices) {
             return false;
         }
     }
-    b.iter()
-        .filter(|(k, _)| !a.contains_key(*k))
-        .all(|(_, opts)| opts.as_array().is_some_and(|o| o.iter().any(|x| x == "")))
+    option
+        .iter()
+        .filter(|(k, _)| !value.contains_key(*k))
+        .all(|(_, choices)| match choices {
+            Value::Array(c) => c.iter().any(is_omit_marker),
+            // Python's `"" in "text"` is true.
+            Value::String(_) => true,
+            _ => false,
+        })
 }
 
-/// Check one call against one function description and one ground-truth entry.
-pub fn check_call(call: &ToolCall, function: &Value, truth: &Value) -> Result<(), String> {
-    let Some((name, params)) = truth.as_object().and_then(|o| o.iter().next()) else {
-        return Err("malformed ground truth".into());
+/// `dict_checker`: the dict matches one allowed dict (`""` options skipped).
+fn dict_check(value: &Map<String, Value>, allowed: &[Value]) -> bool {
+    allowed
+        .iter()
+        .filter(|a| !is_omit_marker(a))
+        .any(|a| dict_option_check(value, a))
+}
+
+/// `list_dict_checker`: same length as an allowed list, and each dict matches the allowed dict
+/// at its position.
+fn list_dict_check(value: &[Value], allowed: &[Value]) -> bool {
+    allowed.iter().any(|option| {
+        let options = match option {
+            Value::Array(a) => a.as_slice(),
+            Value::String(s) if s.is_empty() => &[],
+            _ => return false,
+        };
+        options.len() == value.len()
+            && value
+                .iter()
+                .zip(options)
+                .all(|(v, o)| v.as_object().is_some_and(|v| dict_option_check(v, o)))
+    })
+}
+
+/// Check one parameter value (`simple_function_checker`'s loop body).
+fn check_param(value: &Value, schema: &Value, allowed: &[Value]) -> Result<(), String> {
+    let ty = schema.get("type").and_then(Value::as_str).unwrap_or("");
+    let expected =
+        PyType::of_schema(ty).ok_or_else(|| format!("unsupported schema type `{ty}`"))?;
+    let nested = if expected == PyType::List {
+        let item = schema
+            .pointer("/items/type")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        Some(PyType::of_schema(item).ok_or_else(|| format!("unsupported item type `{item}`"))?)
+    } else {
+        None
     };
-    if &call.name != name {
+    // Python converts an int to a float where a float is expected (not a bool, not in a list).
+    let value = match value {
+        Value::Number(n) if ty == "float" && !n.is_f64() => {
+            n.as_f64().map(Value::from).unwrap_or_else(|| value.clone())
+        }
+        other => other.clone(),
+    };
+    let is_variable = type_check(&value, allowed, expected, nested)?;
+    let ok = match (&value, is_variable) {
+        (Value::Object(m), false) => dict_check(m, allowed),
+        (Value::Array(a), false) if nested == Some(PyType::Dict) => list_dict_check(a, allowed),
+        (Value::String(s), false) => string_check(s, allowed),
+        (Value::Array(a), false) => list_check(a, allowed),
+        _ => py_in(&value, allowed),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{value} is not an allowed value"))
+    }
+}
+
+/// Check one call against one function description and one ground-truth entry
+/// (`simple_function_checker`). The function's own name is the one the call must use.
+pub fn check_call(call: &ToolCall, function: &Value, truth: &Value) -> Result<(), String> {
+    let params = truth
+        .as_object()
+        .and_then(|o| o.values().next())
+        .and_then(Value::as_object)
+        .ok_or("malformed ground truth")?;
+    let name = function["name"].as_str().unwrap_or_default();
+    if call.name != name {
         return Err(format!("wrong function: {} (want {name})", call.name));
     }
     let args = call
         .arguments
         .as_object()
         .ok_or_else(|| "arguments are not an object".to_string())?;
-    let params = params
-        .as_object()
-        .ok_or_else(|| "malformed ground truth".to_string())?;
     let props = function
         .pointer("/parameters/properties")
         .and_then(Value::as_object);
-    let required: Vec<&str> = function
+    let required = function
         .pointer("/parameters/required")
         .and_then(Value::as_array)
-        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .map(Vec::as_slice)
         .unwrap_or_default();
-    for r in &required {
-        if !args.contains_key(*r) {
-            return Err(format!("missing required parameter `{r}`"));
-        }
+    if let Some(r) = required
+        .iter()
+        .filter_map(Value::as_str)
+        .find(|r| !args.contains_key(*r))
+    {
+        return Err(format!("missing required parameter `{r}`"));
     }
     for (k, v) in args {
-        let schema = props
-            .and_then(|p| p.get(k))
-            .ok_or_else(|| format!("unexpected parameter `{k}`"))?;
-        let allowed = params
-            .get(k)
-            .and_then(Value::as_array)
-            .ok_or_else(|| format!("unexpected parameter `{k}`"))?;
-        type_ok(v, schema).map_err(|e| format!("`{k}`: {e}"))?;
-        if !allowed.iter().any(|a| matches(v, a)) {
-            return Err(format!("`{k}`: {v} is not an allowed value"));
-        }
+        let (Some(schema), Some(allowed)) = (props.and_then(|p| p.get(k)), params.get(k)) else {
+            return Err(format!("unexpected parameter `{k}`"));
+        };
+        let allowed = allowed.as_array().map(Vec::as_slice).unwrap_or_default();
+        check_param(v, schema, allowed).map_err(|e| format!("`{k}`: {e}"))?;
     }
     for (k, allowed) in params {
-        if !args.contains_key(k) {
-            let optional = allowed
-                .as_array()
-                .is_some_and(|a| a.iter().any(|x| x == ""));
-            if !optional {
-                return Err(format!("missing parameter `{k}`"));
-            }
+        let optional = allowed
+            .as_array()
+            .is_some_and(|a| a.iter().any(is_omit_marker));
+        if !args.contains_key(k) && !optional {
+            return Err(format!("missing parameter `{k}`"));
         }
     }
     Ok(())
 }
 
-fn function_named<'a>(entry: &'a BfclEntry, truth: &Value) -> Option<&'a Value> {
-    let name = truth.as_object()?.keys().next()?;
-    entry.function.iter().find(|f| f["name"] == *name.as_str())
+/// `find_description`: the function a ground-truth call names.
+fn function_named<'a>(entry: &'a BfclEntry, truth: &Value) -> Result<&'a Value, String> {
+    let name = truth
+        .as_object()
+        .and_then(|o| o.keys().next())
+        .ok_or("malformed ground truth")?;
+    entry
+        .function
+        .iter()
+        .find(|f| f["name"] == *name.as_str())
+        .ok_or_else(|| format!("ground truth names `{name}`, which is not a given function"))
 }
 
-/// Check a model's calls for one entry.
+/// Check a model's calls for one entry (`ast_checker`, and the relevance runner's rule for
+/// (ir)relevance: no call is the same as an empty decoded output).
 pub fn check_entry(entry: &BfclEntry, mode: CheckMode, calls: &[ToolCall]) -> Result<(), String> {
     match mode {
         CheckMode::Irrelevance => {
@@ -351,13 +599,25 @@ pub fn check_entry(entry: &BfclEntry, mode: CheckMode, calls: &[ToolCall]) -> Re
                 Ok(())
             }
         }
-        CheckMode::Simple | CheckMode::Multiple => {
-            if calls.len() != 1 || entry.ground_truth.len() != 1 {
+        CheckMode::Simple => {
+            // The first function and the first ground truth, whatever their names.
+            if calls.len() != 1 {
                 return Err(format!("expected exactly one call, got {}", calls.len()));
             }
-            let truth = &entry.ground_truth[0];
-            let f = function_named(entry, truth).ok_or("ground truth names no given function")?;
+            let f = entry.function.first().ok_or("no function given")?;
+            let truth = entry.ground_truth.first().ok_or("malformed ground truth")?;
             check_call(&calls[0], f, truth)
+        }
+        CheckMode::Multiple => {
+            if calls.len() != entry.ground_truth.len() {
+                return Err(format!(
+                    "expected exactly {} call(s), got {}",
+                    entry.ground_truth.len(),
+                    calls.len()
+                ));
+            }
+            let truth = entry.ground_truth.first().ok_or("malformed ground truth")?;
+            check_call(&calls[0], function_named(entry, truth)?, truth)
         }
         CheckMode::Parallel => {
             if calls.len() != entry.ground_truth.len() {
@@ -367,10 +627,11 @@ pub fn check_entry(entry: &BfclEntry, mode: CheckMode, calls: &[ToolCall]) -> Re
                     calls.len()
                 ));
             }
+            // Greedy, as the official checker: each ground truth takes the first unused call
+            // that matches it.
             let mut used = vec![false; calls.len()];
             for (ti, truth) in entry.ground_truth.iter().enumerate() {
-                let f =
-                    function_named(entry, truth).ok_or("ground truth names no given function")?;
+                let f = function_named(entry, truth)?;
                 let hit = calls
                     .iter()
                     .enumerate()
@@ -478,4 +739,79 @@ pub fn evaluate_files(
     let entries = load_category(dir, category)?;
     let resp = load_responses(responses)?;
     Ok(evaluate(&entries, category, &resp))
+}
+
+/// One line of a responses file: the calls made for an entry, and the model's text when a live
+/// model made them (`envace eval bfcl --model … --out`; ignored when the file is read back).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BfclResponse {
+    pub id: String,
+    pub calls: Vec<ToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw: Option<String>,
+}
+
+/// Append one response to a responses file as a JSON line, flushed: an interrupted run keeps
+/// every entry answered so far. The only writer of the format [`load_responses`] reads.
+pub fn write_response(
+    out: &mut impl std::io::Write,
+    path: &Path,
+    response: &BfclResponse,
+) -> Result<(), BfclError> {
+    let io = |source| BfclError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let line = serde_json::to_string(response).map_err(|e| io(e.into()))?;
+    writeln!(out, "{line}").map_err(io)?;
+    out.flush().map_err(io)
+}
+
+/// Answers BFCL entries with calls: a live model (the engine's `bfcl_eval::ModelResponder`).
+/// The seam lets this layer write and score responses without knowing models.
+pub trait BfclResponder {
+    fn respond(&mut self, entry: &BfclEntry) -> Result<BfclResponse, BoxError>;
+}
+
+/// Answer every entry with `responder`, appending each response to `out` (when given) as it
+/// comes; `progress(done, total, response)` after each.
+pub fn collect_responses(
+    entries: &[BfclEntry],
+    responder: &mut dyn BfclResponder,
+    out: Option<&Path>,
+    mut progress: impl FnMut(usize, usize, &BfclResponse),
+) -> Result<Vec<BfclResponse>, BfclError> {
+    let mut file = match out {
+        Some(path) => Some((
+            std::fs::File::create(path).map_err(|source| BfclError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?,
+            path,
+        )),
+        None => None,
+    };
+    let mut responses = Vec::with_capacity(entries.len());
+    for (i, entry) in entries.iter().enumerate() {
+        let response = responder
+            .respond(entry)
+            .map_err(|source| BfclError::Respond {
+                id: entry.id.clone(),
+                source,
+            })?;
+        if let Some((f, path)) = file.as_mut() {
+            write_response(f, path, &response)?;
+        }
+        progress(i + 1, entries.len(), &response);
+        responses.push(response);
+    }
+    Ok(responses)
+}
+
+/// Responses as [`evaluate`] takes them (`id` → calls).
+pub fn responses_by_id(responses: &[BfclResponse]) -> HashMap<String, Vec<ToolCall>> {
+    responses
+        .iter()
+        .map(|r| (r.id.clone(), r.calls.clone()))
+        .collect()
 }

@@ -4,12 +4,15 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
+use crate::env::bfcl::{
+    BfclResponder, collect_responses, evaluate, load_category, load_responses, responses_by_id,
+};
 use crate::env::domains::Domain;
 use crate::env::mcp_client::{McpEnv, McpServerConfig};
 use crate::env::reward::{gold_trace, score_task};
@@ -154,17 +157,37 @@ pub struct TasksArgs {
     pub json: bool,
 }
 
-/// `envace eval bfcl --data DIR --category NAME --responses FILE [--json]`
+/// `envace eval bfcl --data DIR --category NAME (--responses FILE | --model PATH) [--limit N]
+/// [--out FILE] [--json]`
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("answers").required(true).args(["responses", "model"])))]
 pub struct BfclEvalArgs {
     /// Directory holding BFCL_v4_<category>.json and possible_answer/.
     #[arg(long)]
     pub data: PathBuf,
     #[arg(long)]
     pub category: String,
-    /// JSON Lines of {"id", "calls": [{"name", "arguments"}]}.
+    /// Score recorded calls: JSON Lines of {"id", "calls": [{"name", "arguments"}]}.
     #[arg(long)]
-    pub responses: PathBuf,
+    pub responses: Option<PathBuf>,
+    /// Score a live model instead (checkpoint directory or .gguf file): greedy, one turn per
+    /// entry, the entry's functions as tools through the model's chat template.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Score only the first N entries of the category.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// With --model: write the responses here (the --responses format, plus the model's `raw`
+    /// text), one flushed line per entry.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// With --model: most tokens generated per entry (generation also stops at EOS).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// With --model: auto, cpu, cuda or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Print one JSON object, with a verdict per entry (`results`).
     #[arg(long)]
     pub json: bool,
 }
@@ -465,20 +488,89 @@ pub fn run_tasks(args: TasksArgs) -> Result<()> {
     Ok(())
 }
 
-/// Run `envace eval bfcl …`.
+/// Loads a live model as a [`BfclResponder`] from a path, a token budget and a device name: the
+/// engine's `bfcl_eval::load_responder`, handed in by main (this layer knows no model).
+pub type BfclModelLoader<'a, E> =
+    &'a dyn Fn(&std::path::Path, usize, &str) -> std::result::Result<Box<dyn BfclResponder>, E>;
+
+/// Run `envace eval bfcl …` on recorded calls (`--model` needs [`run_eval_bfcl_with`]).
 pub fn run_eval_bfcl(args: BfclEvalArgs) -> Result<()> {
-    let report = crate::env::bfcl::evaluate_files(&args.data, &args.category, &args.responses)?;
+    let no_model: BfclModelLoader<'_, anyhow::Error> =
+        &|_, _, _| bail!("this build of envace cannot load a model for `eval bfcl`");
+    run_eval_bfcl_with(args, no_model)
+}
+
+/// Run `envace eval bfcl …`, loading `--model` with `load`.
+pub fn run_eval_bfcl_with<E>(args: BfclEvalArgs, load: BfclModelLoader<'_, E>) -> Result<()>
+where
+    E: Into<anyhow::Error>,
+{
+    let v = eval_bfcl(&args, load)?;
     if args.json {
-        return print_json(&json!({
-            "category": args.category,
-            "accuracy": report.accuracy(),
-            "correct": report.correct,
-            "total": report.total,
-        }));
+        return print_json(&v);
     }
     println!("category: {}", args.category);
-    println!("accuracy: {:.4}", report.accuracy());
-    println!("correct: {}", report.correct);
-    println!("total: {}", report.total);
+    if let Some(model) = v["model"].as_str() {
+        println!("model: {model}");
+    }
+    println!(
+        "accuracy: {:.4}",
+        v["accuracy"].as_f64().unwrap_or_default()
+    );
+    println!("correct: {}", v["correct"]);
+    println!("total: {}", v["total"]);
+    if let Some(out) = v["responses"].as_str() {
+        println!("responses: {out}");
+    }
     Ok(())
+}
+
+/// Score a category (the first `--limit` entries) on recorded or live responses; the summary
+/// `--json` prints: category, accuracy, correct, total, results (and, live: model, seconds,
+/// responses).
+pub fn eval_bfcl<E>(args: &BfclEvalArgs, load: BfclModelLoader<'_, E>) -> Result<Value>
+where
+    E: Into<anyhow::Error>,
+{
+    // Checked here, not with clap's `requires`: clap waives a requirement that conflicts with a
+    // present argument, and --model conflicts with --responses.
+    if args.out.is_some() && args.model.is_none() {
+        bail!("--out writes the responses of --model; with --responses there is nothing to write");
+    }
+    let mut entries = load_category(&args.data, &args.category)?;
+    entries.truncate(args.limit.unwrap_or(entries.len()));
+    let mut v = json!({"category": args.category});
+    let responses = match (&args.responses, &args.model) {
+        (Some(path), _) => load_responses(path)?,
+        (None, Some(model)) => {
+            let t0 = Instant::now();
+            let mut responder = load(model, args.max_tokens, &args.device)
+                .map_err(Into::into)
+                .with_context(|| format!("loading model {}", model.display()))?;
+            let quiet = args.json;
+            let answered = collect_responses(
+                &entries,
+                responder.as_mut(),
+                args.out.as_deref(),
+                |i, n, r| {
+                    if !quiet {
+                        eprintln!("[{i}/{n}] {}: {} call(s)", r.id, r.calls.len());
+                    }
+                },
+            )?;
+            v["model"] = json!(model.display().to_string());
+            v["seconds"] = json!(t0.elapsed().as_secs_f64());
+            if let Some(out) = &args.out {
+                v["responses"] = json!(out.display().to_string());
+            }
+            responses_by_id(&answered)
+        }
+        (None, None) => bail!("give --responses FILE or --model PATH"),
+    };
+    let report = evaluate(&entries, &args.category, &responses);
+    v["accuracy"] = json!(report.accuracy());
+    v["correct"] = json!(report.correct);
+    v["total"] = json!(report.total);
+    v["results"] = serde_json::to_value(&report.results)?;
+    Ok(v)
 }
