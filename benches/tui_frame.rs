@@ -35,6 +35,7 @@ fn new_app() -> App {
         device: "cpu".into(),
         dtype: "f32".into(),
         parameters: 0,
+        tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
     })));
     app
 }

@@ -429,6 +429,14 @@ pub struct PretrainArgs {
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,
+    /// Tool drills per task: episodes with made-up tools (reading a tool list, optional
+    /// parameters, parallel calls, requests no tool fits), half with a simulator example.
+    #[arg(long, default_value_t = 0.0)]
+    pub tool_drills: f64,
+    /// The compact chat template to train (and ship) with: compact (the bundled model's) or
+    /// compact-v2 (optional parameters marked `name(req,opt?)`).
+    #[arg(long, value_enum, default_value = "compact")]
+    pub template: envace::train::pretrain::CorpusTemplate,
     /// Learning-rate warmup steps (linear), before the cosine decay.
     #[arg(long, default_value_t = 100)]
     pub warmup: usize,

@@ -209,10 +209,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
         let tools = env.tools().await?;
         let spec = EpisodeSpec {
             task_id: Some(task.id.clone()),
-            system: format!(
-                "You are an assistant with the tools of `{}`. Use them, then answer the user.",
-                env.name()
-            ),
+            system: envace::engine::spec::mcp_system(&env.name()),
             user_turns: task.turns.clone(),
             tools,
             examples: Vec::new(),

@@ -33,7 +33,7 @@ fn main() -> Result<()> {
         Some(Command::Eval(EvalArgs {
             command: Some(EvalCommand::Bfcl(args)),
             ..
-        })) => env_cli::run_eval_bfcl(args),
+        })) => env_cli::run_eval_bfcl_with(args, &envace::engine::bfcl_eval::load_responder),
         Some(Command::Eval(a)) => tokio_runtime()?.block_on(commands::eval(a)),
         Some(Command::Run(a)) => tokio_runtime()?.block_on(commands::run(a)),
         Some(Command::Replay { file }) => {
@@ -134,6 +134,8 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.recorded_fraction = a.recorded_fraction;
     cfg.corpus.random_copy_fraction = a.random_copy;
     cfg.corpus.random_entity_fraction = a.random_entities;
+    cfg.corpus.tool_drills_per_task = a.tool_drills;
+    cfg.corpus.template = a.template;
     for (flag, v) in [
         ("--random-entities", a.random_entities),
         ("--random-copy", a.random_copy),

@@ -36,6 +36,7 @@ impl LanguageModel for ScriptedPolicy {
             device: "cpu".into(),
             dtype: "none".into(),
             parameters: 0,
+            tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
         }
     }
     fn render_chat(

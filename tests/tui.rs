@@ -50,6 +50,7 @@ fn app() -> App {
         device: "cpu".into(),
         dtype: "f32".into(),
         parameters: 4_600_000,
+        tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
     })));
     app
 }
@@ -484,6 +485,32 @@ fn command_palette_runs_an_action() {
     let effects = app.update(Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE)));
     assert_eq!(app.tab, Tab::Models);
     assert_eq!(effects, vec![envace::tui::Effect::ScanModels]);
+}
+
+/// A model whose template has no tools section (SmolLM2's GGUF): the status bar and the Models
+/// tab say that the tools were rendered into the system message, and in which format.
+#[test]
+fn models_tab_names_the_tool_rendering() {
+    let mut app = app();
+    app.update(Msg::ModelLoaded(Ok(ModelInfo {
+        path: ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+        hash: "b179c9523d0e6a0f".into(),
+        architecture: "llama".into(),
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        parameters: 134_515_008,
+        tool_rendering: envace::runtime::tool_format::ToolRendering::SystemSmolLM2,
+    })));
+    keys(&mut app, ":");
+    keys(&mut app, "tab_models");
+    app.update(Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE)));
+    let out = screen(&app);
+    assert!(out.contains("tools: system-smollm2"), "{out}");
+    assert!(
+        out.contains("system-smollm2 (tools in the system message)"),
+        "{out}"
+    );
+    insta::assert_snapshot!("models_tab_tool_rendering", out);
 }
 
 #[test]

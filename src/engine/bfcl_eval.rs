@@ -123,6 +123,7 @@ mod tests {
                 device: "cpu".into(),
                 dtype: "f32".into(),
                 parameters: 0,
+                tool_rendering: crate::runtime::tool_format::ToolRendering::Template,
             }
         }
         fn render_chat(

@@ -283,6 +283,7 @@ pub fn header(
         .unwrap_or_else(|| ModelRef {
             path: String::new(),
             hash: String::new(),
+            tool_rendering: None,
         });
     // A LoRA adapter directory (loaded as base + adapter) is named in the header's `adapter`.
     let adapter = info

@@ -17,6 +17,12 @@ pub fn domain_system(domain: Domain) -> String {
     )
 }
 
+/// The system prompt of an episode on an MCP server's tools (`server` names it, e.g.
+/// `mcp:server-filesystem`); also the one tool drills are trained with.
+pub fn mcp_system(server: &str) -> String {
+    format!("You are an assistant with the tools of `{server}`. Use them, then answer the user.")
+}
+
 /// The spec of a built-in task. With `gold_examples`, the simulator's few-shot pool is the
 /// task's recorded gold run (what EnvACE gives the simulator during training).
 pub fn task_spec(task: &Task, gold_examples: bool) -> Result<EpisodeSpec, EnvError> {

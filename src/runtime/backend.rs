@@ -100,6 +100,9 @@ pub struct ModelInfo {
     pub device: String,
     pub dtype: String,
     pub parameters: usize,
+    /// How tools, calls and results reach the model: through its own template, or rendered into
+    /// the system message in a format it was tuned on (its template has no tools section).
+    pub tool_rendering: crate::runtime::tool_format::ToolRendering,
 }
 
 /// Shared cancellation flag (Ctrl-C in the TUI).

@@ -387,6 +387,7 @@ impl LanguageModel for LocalModel {
             device: describe(&self.decoder.device),
             dtype: format!("{:?}", self.decoder.dtype).to_lowercase(),
             parameters: self.decoder.cfg.parameter_count(),
+            tool_rendering: self.template.tool_rendering,
         }
     }
 

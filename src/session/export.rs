@@ -179,6 +179,14 @@ pub fn render_replay(session: &Session) -> String {
         h.model.path,
         cut(&h.model.hash, 16)
     );
+    if let Some(r) = h
+        .model
+        .tool_rendering
+        .as_deref()
+        .filter(|r| *r != "template")
+    {
+        let _ = writeln!(out, "tools: rendered into the system message ({r})");
+    }
     for w in &session.warnings {
         let _ = writeln!(out, "warning: {w}");
     }

@@ -30,6 +30,10 @@ pub const FORMAT_VERSION: u32 = 1;
 pub struct ModelRef {
     pub path: String,
     pub hash: String,
+    /// How the tools were shown to the model (`template`, `system-hermes`, `system-smollm2`);
+    /// absent in sessions written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_rendering: Option<String>,
 }
 
 impl From<&crate::runtime::ModelInfo> for ModelRef {
@@ -37,6 +41,7 @@ impl From<&crate::runtime::ModelInfo> for ModelRef {
         Self {
             path: info.path.clone(),
             hash: info.hash.clone(),
+            tool_rendering: Some(info.tool_rendering.as_str().to_string()),
         }
     }
 }

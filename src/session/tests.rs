@@ -18,6 +18,7 @@ fn header() -> SessionHeader {
         ModelRef {
             path: "models/tiny".into(),
             hash: "abc123".into(),
+            tool_rendering: None,
         },
         None,
         "bank",
@@ -234,6 +235,41 @@ fn written_session_reads_back_identically() {
         assert_eq!(r.event, o.event);
         assert!(r.ts.is_some());
     }
+}
+
+#[test]
+fn the_header_records_the_tool_rendering_and_older_headers_still_read() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("s.jsonl");
+    let mut h = header();
+    h.model.tool_rendering = Some("system-smollm2".into());
+    let mut w = SessionWriter::create_with(&path, &h, false).expect("create");
+    for e in sample_events() {
+        w.append(e).expect("append");
+    }
+    let s = read_session(&path).expect("read");
+    assert_eq!(
+        s.header.model.tool_rendering.as_deref(),
+        Some("system-smollm2")
+    );
+    assert!(
+        render_replay(&s).contains("tools: rendered into the system message (system-smollm2)"),
+        "{}",
+        render_replay(&s)
+    );
+    // A header written before the field existed has none, and says nothing about it.
+    let plain = write_sample(dir.path(), false);
+    let text = std::fs::read_to_string(&plain).expect("read");
+    assert!(
+        !text
+            .lines()
+            .next()
+            .expect("header")
+            .contains("tool_rendering")
+    );
+    let s = read_session(&plain).expect("read");
+    assert_eq!(s.header.model.tool_rendering, None);
+    assert!(!render_replay(&s).contains("rendered into the system message"));
 }
 
 #[test]

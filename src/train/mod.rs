@@ -15,6 +15,7 @@ pub mod optim;
 pub mod pretrain;
 pub mod sft;
 pub mod tokenizer;
+pub mod tool_drill;
 
 /// Training failures.
 #[derive(Debug, thiserror::Error)]

@@ -35,7 +35,9 @@ use crate::env::domains::{Domain, sample_entities};
 use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
 use crate::message::{Message, Role, ToolCall};
 use crate::runtime::CancelToken;
-use crate::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, ChatTemplate};
+use crate::runtime::chat_template::{
+    COMPACT_TOOLS_TEMPLATE, COMPACT_TOOLS_TEMPLATE_V2, ChatTemplate,
+};
 use crate::runtime::config::{DecoderConfig, Family};
 use crate::runtime::fixture::tokenizer_config_with;
 use crate::runtime::loader::is_gguf;
@@ -107,7 +109,35 @@ pub struct CorpusConfig {
     /// happens in, on values no model can have memorised.
     #[serde(default)]
     pub random_entity_fraction: f64,
+    /// Tool drills per task (see [`super::tool_drill`]; a fraction is a probability): episodes
+    /// with made-up tools, so that the model learns to read a tool list, not only the built-in
+    /// domains' tools. Half of them also give a simulator example.
+    #[serde(default)]
+    pub tool_drills_per_task: f64,
+    /// The chat template the corpus is rendered with (and the model ships with).
+    #[serde(default)]
+    pub template: CorpusTemplate,
     pub seed: u64,
+}
+
+/// Which compact template a model trained here speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CorpusTemplate {
+    /// [`COMPACT_TOOLS_TEMPLATE`]: tools as `name(params)` (the bundled model's).
+    #[default]
+    Compact,
+    /// [`COMPACT_TOOLS_TEMPLATE_V2`]: optional parameters marked `name(req,opt?)`.
+    CompactV2,
+}
+
+impl CorpusTemplate {
+    pub fn source(self) -> &'static str {
+        match self {
+            Self::Compact => COMPACT_TOOLS_TEMPLATE,
+            Self::CompactV2 => COMPACT_TOOLS_TEMPLATE_V2,
+        }
+    }
 }
 
 impl Default for CorpusConfig {
@@ -121,6 +151,8 @@ impl Default for CorpusConfig {
             recorded_fraction: 0.0,
             random_copy_fraction: 0.0,
             random_entity_fraction: 0.0,
+            tool_drills_per_task: 0.0,
+            template: CorpusTemplate::Compact,
             seed: 0,
         }
     }
@@ -146,6 +178,8 @@ impl Default for PretrainConfig {
                 recorded_fraction: 0.0,
                 random_copy_fraction: 0.0,
                 random_entity_fraction: 0.0,
+                tool_drills_per_task: 0.0,
+                template: CorpusTemplate::Compact,
                 seed: 0,
             },
             sft: SftConfig {
@@ -292,7 +326,7 @@ pub fn corpus(
     profile: &PromptProfile,
     cfg: &CorpusConfig,
 ) -> Result<Vec<Segmented>, TrainError> {
-    let t = ChatTemplate::new(COMPACT_TOOLS_TEMPLATE, "", END)?;
+    let t = ChatTemplate::new(cfg.template.source(), "", END)?;
     let mut out = Vec::new();
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     for &d in domains {
@@ -358,7 +392,49 @@ pub fn corpus(
                 let seed = rng.random::<u64>();
                 out.push(copy_drill(&t, split, seed, cfg.random_copy_fraction)?);
             }
+            if cfg.tool_drills_per_task > 0.0 {
+                let whole = cfg.tool_drills_per_task.floor();
+                let frac = cfg.tool_drills_per_task - whole;
+                let extra = usize::from(rng.random::<f64>() < frac);
+                for _ in 0..whole as usize + extra {
+                    let seed = rng.random::<u64>();
+                    let with_sim = rng.random::<bool>();
+                    out.extend(tool_drill_texts(&t, profile, seed, with_sim)?);
+                }
+            }
         }
+    }
+    Ok(out)
+}
+
+/// The actor text of tool drill `seed` and, with `with_sim`, the simulator text of its first
+/// call (the response it got).
+fn tool_drill_texts(
+    t: &ChatTemplate,
+    profile: &PromptProfile,
+    seed: u64,
+    with_sim: bool,
+) -> Result<Vec<Segmented>, TrainError> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let server = format!("mcp:{}", random_word_styled(&mut rng, false));
+    let d = super::tool_drill::tool_drill(seed, &crate::engine::spec::mcp_system(&server));
+    let mut out = vec![actor_text(t, &d.messages, &tools_json(&d.tools))?];
+    if let (true, Some((call, response))) = (with_sim, d.calls.first()) {
+        let at = d
+            .messages
+            .iter()
+            .position(|m| !m.tool_calls.is_empty())
+            .unwrap_or(d.messages.len() - 1);
+        let prompt = simulator_prompt(
+            &SimulatorPromptInput {
+                tools: &d.tools,
+                examples: &[],
+                conversation: &d.messages[..=at],
+                call,
+            },
+            &profile.sim_prompt,
+        );
+        out.push(simulator_text(t, &prompt, response)?);
     }
     Ok(out)
 }
@@ -871,7 +947,7 @@ pub fn run_pretrain(
         None => super::tokenizer::train_bpe(&tokenizer_corpus(&texts), cfg.vocab_size, 8)?,
     };
     super::tokenizer::save(&hf_tok, &tok_path)?;
-    let tc = tokenizer_config_with(COMPACT_TOOLS_TEMPLATE);
+    let tc = tokenizer_config_with(cfg.corpus.template.source());
     std::fs::write(
         work.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&tc).unwrap_or_default(),
@@ -999,6 +1075,8 @@ mod tests {
             recorded_fraction: 0.0,
             random_copy_fraction: 0.0,
             random_entity_fraction: 0.0,
+            tool_drills_per_task: 0.0,
+            template: CorpusTemplate::Compact,
             seed: 7,
         }
     }
@@ -1215,6 +1293,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tool_drills_add_mcp_style_actor_and_simulator_texts_in_the_chosen_template() {
+        let plain = corpus(
+            &[Domain::Bank],
+            Split::Train,
+            &PromptProfile::compact(),
+            &cfg(0.0),
+        )
+        .unwrap();
+        let c = CorpusConfig {
+            tool_drills_per_task: 1.0,
+            template: CorpusTemplate::CompactV2,
+            ..cfg(0.0)
+        };
+        let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+        // One actor drill per task (its system prompt names the made-up `mcp:` server), and a
+        // simulator text (whose prompt has no system message) for about half of those with a
+        // call.
+        let drills: Vec<&Segmented> = texts.iter().filter(|t| t.text().contains("mcp:")).collect();
+        assert!(drills.iter().all(|t| t.role == Role::Assistant));
+        assert_eq!(drills.len(), 30);
+        let sims = texts.len() - plain.len() - drills.len();
+        assert!((5..=25).contains(&sims), "{sims} simulator drill texts");
+        assert_eq!(
+            texts.iter().filter(|t| t.role == Role::Tool).count(),
+            plain.iter().filter(|t| t.role == Role::Tool).count() + sims
+        );
+        // The v2 tool list marks optional parameters, and the trained part holds calls.
+        assert!(
+            drills
+                .iter()
+                .any(|t| t.text().contains("?)") || t.text().contains("?,"))
+        );
+        assert!(drills.iter().any(|t| {
+            t.segments
+                .iter()
+                .any(|s| s.1 && s.0.contains("<tool_call>"))
+        }));
     }
 
     #[test]

@@ -715,9 +715,7 @@ async fn run_request(
             let name = env.name();
             let spec = EpisodeSpec {
                 task_id: None,
-                system: format!(
-                    "You are an assistant with the tools of `{name}`. Use them, then answer the user."
-                ),
+                system: crate::engine::spec::mcp_system(&name),
                 user_turns: vec![instr],
                 tools,
                 examples: Vec::new(),

@@ -51,6 +51,7 @@ impl LanguageModel for ScriptedModel {
             device: "cpu".into(),
             dtype: "f32".into(),
             parameters: 0,
+            tool_rendering: crate::runtime::tool_format::ToolRendering::Template,
         }
     }
     fn render_chat(
@@ -231,6 +232,7 @@ fn header(cfg: &EngineConfig) -> SessionHeader {
         ModelRef {
             path: "scripted".into(),
             hash: "0000".into(),
+            tool_rendering: None,
         },
         None,
         "bank",

@@ -164,6 +164,7 @@ impl Run {
             crate::session::ModelRef {
                 path: "m".into(),
                 hash: "h".into(),
+                tool_rendering: None,
             },
             None,
             "test",

@@ -17,6 +17,7 @@ use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
 use super::app::{App, EditTarget, Level, ModelState, Overlay, Tab, palette_matches};
 use super::keymap::Scope;
 use super::theme::Theme;
+use crate::runtime::tool_format::ToolRendering;
 
 /// The body area for a terminal of this size (between tab bar and status bar).
 pub fn body_area(area: Rect) -> Rect {
@@ -198,6 +199,15 @@ fn draw_status(app: &App, f: &mut Frame, area: Rect) {
     let style = Style::default().fg(t.c.status_fg).bg(t.c.status_bg);
     let model = match &app.model {
         ModelState::Loading(p) => format!("loading {}…", short_path(&p.display().to_string())),
+        // Tools rendered into the system message is worth a glance: the model's own template
+        // would have dropped them.
+        ModelState::Ready(i) if i.tool_rendering != ToolRendering::Template => format!(
+            "{} · {} · tools: {} · {}",
+            short_path(&i.path),
+            i.architecture,
+            i.tool_rendering,
+            i.device
+        ),
         ModelState::Ready(i) => format!(
             "{} · {} · {}",
             short_path(&i.path),

@@ -6,6 +6,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::Paragraph;
 
 use super::block;
+use crate::runtime::tool_format::ToolRendering;
 use crate::tui::app::{App, ModelState};
 
 pub fn draw(app: &App, f: &mut Frame, body: Rect) {
@@ -61,6 +62,13 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
             lines.push(Line::from(vec![
                 Span::styled("architecture  ", t.muted()),
                 Span::raw(i.architecture.clone()),
+            ]));
+            lines.push(Line::from(vec![
+                Span::styled("tool format   ", t.muted()),
+                Span::raw(match i.tool_rendering {
+                    ToolRendering::Template => "the model's chat template".to_string(),
+                    r => format!("{r} (tools in the system message)"),
+                }),
             ]));
             lines.push(Line::from(vec![
                 Span::styled("parameters    ", t.muted()),
