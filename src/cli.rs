@@ -44,7 +44,7 @@ pub enum Command {
     },
     /// List the tasks of a built-in domain.
     Tasks(TasksArgs),
-    /// Evaluate a model on a domain split (or `eval bfcl` to score recorded calls).
+    /// Evaluate a model on a domain split (or `eval bfcl` for BFCL-v4 single-turn accuracy).
     Eval(EvalArgs),
     /// Run one episode: a built-in task or an MCP task.
     Run(RunArgs),
@@ -276,7 +276,8 @@ pub struct ExportArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum EvalCommand {
-    /// Score recorded calls on a BFCL-v4 single-turn category.
+    /// BFCL-v4 single-turn accuracy: score recorded calls (`--responses`), or let a local model
+    /// answer every entry (`--model`, through its chat template or tool rendering).
     Bfcl(BfclEvalArgs),
 }
 
