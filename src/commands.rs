@@ -23,6 +23,103 @@ use envace::env::tasks::{Split, find_builtin};
 use envace::runtime::{CancelToken, LocalModel};
 use envace::session::{SessionWriter, default_sessions_dir, replay_text, resolve_session_path};
 
+/// How the binary's exit status reports an episode command (README, "Exit codes"): returned as
+/// an error so that `main` exits with `code` after printing `message` (when not empty).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Exit {
+    pub code: u8,
+    pub message: String,
+}
+
+/// The episode ran and did not succeed (reward below 1, or it ended on the agent).
+pub const EXIT_EPISODE_FAILED: u8 = 1;
+/// Bad input or set-up: a flag, file, task or model that cannot be used (clap's usage errors
+/// exit 2 as well). Every error that is not classified otherwise.
+pub const EXIT_BAD_INPUT: u8 = 2;
+/// The environment or the model failed (an MCP server that dies, times out or cannot be
+/// reached; an episode that could not be scored).
+pub const EXIT_ENVIRONMENT: u8 = 3;
+/// Interrupted (Ctrl-C / SIGINT): the session ends as cancelled.
+pub const EXIT_CANCELLED: u8 = 130;
+
+/// The exit status of an error that reached `main`.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    if let Some(x) = e.downcast_ref::<Exit>() {
+        return x.code;
+    }
+    let env_failure = |err: &envace::env::EnvError| {
+        !matches!(
+            err,
+            envace::env::EnvError::BadTask { .. }
+                | envace::env::EnvError::UnknownDomain(..)
+                | envace::env::EnvError::UnknownTask(_)
+        )
+    };
+    for cause in e.chain() {
+        if let Some(err) = cause.downcast_ref::<envace::env::EnvError>() {
+            return if env_failure(err) {
+                EXIT_ENVIRONMENT
+            } else {
+                EXIT_BAD_INPUT
+            };
+        }
+        if let Some(envace::engine::runner::RunError::Env(err)) =
+            cause.downcast_ref::<envace::engine::runner::RunError>()
+        {
+            return if env_failure(err) {
+                EXIT_ENVIRONMENT
+            } else {
+                EXIT_BAD_INPUT
+            };
+        }
+    }
+    EXIT_BAD_INPUT
+}
+
+/// Success, or the [`Exit`] that says how one episode went wrong.
+fn episode_status(o: &EpisodeOutcome) -> Result<()> {
+    use envace::engine::types::EndReason;
+    match &o.end {
+        EndReason::Cancelled => Err(Exit {
+            code: EXIT_CANCELLED,
+            message: "cancelled: the session ends as cancelled".into(),
+        }
+        .into()),
+        EndReason::Failed { message } => Err(Exit {
+            code: EXIT_ENVIRONMENT,
+            message: format!("the episode failed: {message}"),
+        }
+        .into()),
+        _ if o.reward() >= 1.0 => Ok(()),
+        end => Err(Exit {
+            code: EXIT_EPISODE_FAILED,
+            message: format!(
+                "the episode did not succeed: reward {:.2} ({end:?})",
+                o.reward()
+            ),
+        }
+        .into()),
+    }
+}
+
+/// A cancel token that Ctrl-C (SIGINT) sets, so that a headless episode ends its session as
+/// cancelled instead of leaving it unfinished; a second Ctrl-C exits at once.
+fn cancel_on_ctrl_c() -> CancelToken {
+    let cancel = CancelToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("interrupted: ending the episode as cancelled (Ctrl-C again to quit now)");
+            c.cancel();
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(i32::from(EXIT_CANCELLED));
+            }
+        }
+    });
+    cancel
+}
+
 /// The Private Rehearsal knobs of `m`.
 pub fn rehearsal_tuning(m: &ModeArgs) -> Result<envace::engine::runner::RehearsalTuning> {
     use crate::cli::{MemoryFormatArg, MemoryPlacementArg};
@@ -163,7 +260,7 @@ fn mcp_run_config(
 pub async fn run(a: RunArgs) -> Result<()> {
     let opts = checked_run_options(&a.mode)?;
     let (model, profile) = load_model(&a.model, &a.mode)?;
-    let cancel = CancelToken::new();
+    let cancel = cancel_on_ctrl_c();
     let mut approver = PolicyApprover(opts.approve);
     let (outcome, path) = if let Some(env) = &a.env {
         let id = a
@@ -207,6 +304,10 @@ pub async fn run(a: RunArgs) -> Result<()> {
         .clone();
         let mut env = McpEnv::connect(cfg).await?.with_tasks(tf.tasks.clone());
         let tools = env.tools().await?;
+        if let Err(e) = envace::env::mcp_client::verify_check_tools(file, &tf, &tools) {
+            let _ = env.close().await;
+            return Err(e.into());
+        }
         let spec = EpisodeSpec {
             task_id: Some(task.id.clone()),
             system: envace::engine::spec::mcp_system(&env.name()),
@@ -245,7 +346,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
         print!("{}", replay_text(&path)?);
         println!("session: {}", path.display());
     }
-    Ok(())
+    episode_status(&outcome)
 }
 
 pub async fn eval(a: EvalArgs) -> Result<()> {
@@ -308,7 +409,8 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
             )),
     };
     let quiet = a.json;
-    let (summary, _) = eval_domain(
+    let cancel = cancel_on_ctrl_c();
+    let (summary, outcomes) = eval_domain(
         &model,
         domain,
         split,
@@ -321,7 +423,7 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
                 eprintln!("[{i}/{n}] reward {:.2} ({:?})", o.reward(), o.end);
             }
         },
-        CancelToken::new(),
+        cancel.clone(),
     )
     .await?;
     let mut v = serde_json::to_value(&summary)?;
@@ -330,6 +432,31 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         println!("{v}");
     } else {
         println!("{}", serde_json::to_string_pretty(&v)?);
+    }
+    // An evaluation succeeds when every episode got its verdict; agent failures are its data.
+    use envace::engine::types::EndReason;
+    let failed: Vec<&str> = outcomes
+        .iter()
+        .filter(|(_, o)| matches!(o.end, EndReason::Failed { .. }))
+        .map(|(id, _)| id.as_str())
+        .collect();
+    if cancel.is_cancelled() {
+        return Err(Exit {
+            code: EXIT_CANCELLED,
+            message: format!("cancelled after {} episodes", outcomes.len()),
+        }
+        .into());
+    }
+    if !failed.is_empty() {
+        return Err(Exit {
+            code: EXIT_ENVIRONMENT,
+            message: format!(
+                "{} episodes failed on environment or model errors: {}",
+                failed.len(),
+                failed.join(", ")
+            ),
+        }
+        .into());
     }
     Ok(())
 }
@@ -637,7 +764,7 @@ pub async fn fork(a: ForkArgs) -> Result<()> {
         &out,
         &mut approver,
         None,
-        CancelToken::new(),
+        cancel_on_ctrl_c(),
     )
     .await?;
     if a.json {
@@ -646,7 +773,7 @@ pub async fn fork(a: ForkArgs) -> Result<()> {
         print!("{}", replay_text(&out)?);
         println!("session: {}", out.display());
     }
-    Ok(())
+    episode_status(&o)
 }
 
 pub fn diff(a: DiffArgs) -> Result<()> {

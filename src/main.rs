@@ -14,8 +14,23 @@ use envace::env::cli as env_cli;
 use envace::message::Message;
 use envace::runtime::{CancelToken, LanguageModel, LocalModel, SamplingParams};
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+/// Exit statuses: 0 success, 1 the episode did not succeed, 2 bad input or set-up, 3 the
+/// environment or model failed, 130 interrupted (`commands::exit_code`; README "Exit codes").
+fn main() -> std::process::ExitCode {
+    match dispatch(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            match e.downcast_ref::<commands::Exit>() {
+                Some(x) if x.message.is_empty() => {}
+                Some(x) => eprintln!("{x}"),
+                None => eprintln!("Error: {e:?}"),
+            }
+            std::process::ExitCode::from(commands::exit_code(&e))
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         None => tui(cli::TuiArgs::default()),
         Some(Command::Tui(a)) => tui(a),

@@ -68,7 +68,8 @@ fn memory_format_and_depth_reach_the_session() {
             .arg(&out)
             .args(["--json"])
             .assert()
-            .success();
+            // 0 or 1: the episode was played (1: it did not succeed).
+            .code(&[0, 1][..]);
         std::fs::read_to_string(out).unwrap()
     };
     let full = run("full", "full.jsonl");

@@ -707,7 +707,12 @@ fn cli_train_sft_with_lora_then_merge_then_generate_from_both() {
             .arg(&out)
             .output()
             .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        // 0 or 1: the episode was played (1: it did not succeed).
+        assert!(
+            matches!(o.status.code(), Some(0 | 1)),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         let text = std::fs::read_to_string(&out).unwrap();
         let h: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         h["adapter"].clone()

@@ -576,10 +576,21 @@ impl Engine {
             }
             (p @ Phase::NotStarted, _) => self.phase = p,
             (Phase::Scoring { end, .. }, Event::Cancel) => self.finish(end, None, None),
-            (Phase::Scoring { id, end, .. }, Event::Error { id: eid, .. })
+            (Phase::Scoring { id, .. }, Event::Error { id: eid, message })
                 if eid.is_none_or(|e| e == id) =>
             {
-                self.finish(end, None, None)
+                // Recorded, and the outcome says why there is no score: an environment that
+                // fails while checking the episode is an environment error, not a silent null.
+                self.persist(EventBody::ScoringFailed {
+                    message: message.clone(),
+                });
+                self.finish(
+                    EndReason::Failed {
+                        message: format!("scoring failed: {message}"),
+                    },
+                    None,
+                    None,
+                )
             }
             (_, Event::Cancel) => self.end(EndReason::Cancelled),
             (p, Event::Error { id, message }) => {

@@ -879,11 +879,54 @@ impl McpCheck {
                 other => other.to_string(),
             };
             if !text.to_lowercase().contains(&sub.to_lowercase()) {
-                return (false, format!("`{}` does not contain `{sub}`", self.path));
+                return (
+                    false,
+                    format!(
+                        "`{}` does not contain `{sub}`: found {}",
+                        self.path,
+                        shorten(&Value::String(text).to_string(), 200)
+                    ),
+                );
             }
         }
         (true, "ok".into())
     }
+}
+
+/// `s` cut to at most `max` characters, marked with `…` when cut.
+fn shorten(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// Check calls of a task file that name a tool the server does not list: found before any
+/// episode runs, not after the first one. The error names the file, task and check.
+pub fn verify_check_tools(
+    path: &Path,
+    file: &McpTaskFile,
+    tools: &[ToolSpec],
+) -> Result<(), EnvError> {
+    for t in &file.tasks {
+        for (i, c) in t.checks.iter().enumerate() {
+            if !tools.iter().any(|s| s.name == c.call.name) {
+                let mut names: Vec<&str> = tools.iter().map(|s| s.name.as_str()).collect();
+                names.sort_unstable();
+                return Err(EnvError::BadTask {
+                    path: path.display().to_string(),
+                    task: t.id.clone(),
+                    field: format!("checks[{i}].call.name"),
+                    message: format!(
+                        "the server has no tool `{}` (it lists: {})",
+                        c.call.name,
+                        names.join(", ")
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A task for an MCP environment.

@@ -366,6 +366,7 @@ fn describe(ev: &EventBody) -> String {
             "episode end: {} (normal: {finished_normally})",
             serde_json::to_string(reason).unwrap_or_default()
         ),
+        EventBody::ScoringFailed { message } => format!("scoring failed: {message}"),
         EventBody::Reward {
             reward,
             partial,

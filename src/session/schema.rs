@@ -238,6 +238,11 @@ pub enum EventBody {
         checklist: Vec<ChecklistItem>,
         scored_by: ScoredBy,
     },
+    /// The episode ended but could not be scored (the environment failed while checking it:
+    /// a server that died, a check call that errored at the transport level).
+    ScoringFailed {
+        message: String,
+    },
 }
 
 impl EventBody {
@@ -260,6 +265,7 @@ impl EventBody {
             Self::RehearsalMemory { .. } => "rehearsal_memory",
             Self::EpisodeEnd { .. } => "episode_end",
             Self::Reward { .. } => "reward",
+            Self::ScoringFailed { .. } => "scoring_failed",
         }
     }
 }

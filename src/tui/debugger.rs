@@ -103,6 +103,7 @@ fn mark(e: &EventRecord, irreversible: &HashSet<String>) -> Mark {
         } => m.irreversible = *i,
         EventBody::EpisodeEnd { reason, .. } => m.error = !matches!(reason, EndReason::Answered),
         EventBody::Reward { reward, .. } => m.error = *reward < 1.0,
+        EventBody::ScoringFailed { .. } => m.error = true,
         _ => {}
     }
     m
@@ -203,6 +204,7 @@ pub fn summary(e: &EventRecord) -> String {
         } => {
             format!("reward {reward:.2} (partial {partial:.2})")
         }
+        EventBody::ScoringFailed { message } => format!("scoring failed: {}", clip(message, 80)),
     }
 }
 

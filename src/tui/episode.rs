@@ -365,6 +365,11 @@ impl EpisodeView {
                 self.streaming = None;
             }
             EventBody::Reward { reward, .. } => self.reward = Some(*reward),
+            EventBody::ScoringFailed { message } => {
+                self.end = Some(EndReason::Failed {
+                    message: format!("scoring failed: {message}"),
+                });
+            }
             EventBody::Format { .. }
             | EventBody::Message { .. }
             | EventBody::ApprovalRequested { .. } => {}
