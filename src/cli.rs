@@ -438,6 +438,10 @@ pub struct PretrainArgs {
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]
     pub template: envace::train::pretrain::CorpusTemplate,
+    /// Stop before this step, the learning-rate schedule still spanning --steps: reproduces a
+    /// run that its --minutes budget ended (its trainer_state.json says at which step).
+    #[arg(long)]
+    pub stop_at: Option<usize>,
     /// Learning-rate warmup steps (linear), before the cosine decay.
     #[arg(long, default_value_t = 100)]
     pub warmup: usize,

@@ -139,6 +139,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.sft.batch_size = a.batch;
     cfg.sft.lr = a.lr;
     cfg.sft.time_budget_s = Some(a.minutes * 60.0);
+    cfg.sft.stop_at = a.stop_at;
     cfg.sft.checkpoint_every = a.checkpoint_every;
     cfg.sft.warmup = a.warmup;
     cfg.corpus.tasks_per_domain = a.tasks_per_domain;

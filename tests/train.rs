@@ -64,6 +64,51 @@ fn loss_falls_on_a_tiny_overfit_set() {
     );
 }
 
+/// `stop_at` ends a run early on the long run's schedule: its steps are the long run's first
+/// steps (same batches, same learning rates), as a run cut by its time budget was.
+#[test]
+fn stop_at_reproduces_the_first_steps_of_the_longer_run() {
+    let losses = |c: &SftConfig| {
+        let (dir, m) = tiny();
+        let mut sink = MemorySink::default();
+        let r = run_sft(
+            &m,
+            &examples(),
+            c,
+            &dir.path().join("tokenizer.json"),
+            None,
+            None,
+            &mut sink,
+            &CancelToken::new(),
+        )
+        .unwrap();
+        let l: Vec<(f64, f64)> = sink
+            .steps
+            .iter()
+            .filter_map(|p| {
+                Some((
+                    p.values.get("loss")?.as_f64()?,
+                    p.values.get("lr")?.as_f64()?,
+                ))
+            })
+            .collect();
+        (r.steps, l)
+    };
+    let c = |steps: usize, stop_at: Option<usize>| SftConfig {
+        warmup: 1,
+        stop_at,
+        ..cfg(steps)
+    };
+    let (n_full, full) = losses(&c(8, None));
+    let (n_cut, cut) = losses(&c(8, Some(3)));
+    let (_, short) = losses(&c(3, None));
+    assert_eq!((n_full, n_cut), (8, 3));
+    assert_eq!(cut.len(), 3);
+    assert_eq!(cut[..], full[..3]);
+    // A 3-step run has its own (shorter) schedule: not the same learning rates.
+    assert_ne!(short[2].1, cut[2].1);
+}
+
 #[test]
 fn the_loss_is_the_mean_over_masked_tokens_only() {
     let (_dir, m) = tiny();

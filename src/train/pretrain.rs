@@ -194,6 +194,7 @@ impl Default for PretrainConfig {
                 max_len: 512,
                 checkpoint_every: 0,
                 time_budget_s: Some(900.0),
+                stop_at: None,
             },
             lora: None,
         }

@@ -33,6 +33,10 @@ pub struct SftConfig {
     pub checkpoint_every: usize,
     /// Stop early (with a final checkpoint) after this many seconds.
     pub time_budget_s: Option<f64>,
+    /// Stop early (with a final checkpoint) before this step, the schedule still spanning
+    /// `steps`: reproduces exactly a run that its time budget ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_at: Option<usize>,
 }
 
 impl Default for SftConfig {
@@ -49,6 +53,7 @@ impl Default for SftConfig {
             max_len: 512,
             checkpoint_every: 0,
             time_budget_s: None,
+            stop_at: None,
         }
     }
 }
@@ -139,6 +144,10 @@ pub fn run_sft(
     let mut step = start;
     while step < cfg.steps {
         if cancel.is_cancelled() {
+            break;
+        }
+        if cfg.stop_at.is_some_and(|s| step >= s) {
+            sink.log(&format!("stopped at step {step} (--stop-at)"));
             break;
         }
         if let Some(b) = cfg.time_budget_s
