@@ -434,6 +434,10 @@ pub struct PretrainArgs {
     /// parameters, parallel calls, requests no tool fits), half with a simulator example.
     #[arg(long, default_value_t = 0.0)]
     pub tool_drills: f64,
+    /// How tool drills name their tools: named (the request's verb_object) or listed (5-14
+    /// tools named with synonyms, looked up in the list as on a real MCP server).
+    #[arg(long, value_enum, default_value = "named")]
+    pub tool_drill_style: envace::train::tool_drill::DrillStyle,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]

@@ -151,6 +151,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.random_copy_fraction = a.random_copy;
     cfg.corpus.random_entity_fraction = a.random_entities;
     cfg.corpus.tool_drills_per_task = a.tool_drills;
+    cfg.corpus.tool_drill_style = a.tool_drill_style;
     cfg.corpus.template = a.template;
     for (flag, v) in [
         ("--random-entities", a.random_entities),

@@ -114,6 +114,9 @@ pub struct CorpusConfig {
     /// domains' tools. Half of them also give a simulator example.
     #[serde(default)]
     pub tool_drills_per_task: f64,
+    /// How the drills name their tools.
+    #[serde(default)]
+    pub tool_drill_style: super::tool_drill::DrillStyle,
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
@@ -152,6 +155,7 @@ impl Default for CorpusConfig {
             random_copy_fraction: 0.0,
             random_entity_fraction: 0.0,
             tool_drills_per_task: 0.0,
+            tool_drill_style: Default::default(),
             template: CorpusTemplate::Compact,
             seed: 0,
         }
@@ -179,6 +183,7 @@ impl Default for PretrainConfig {
                 random_copy_fraction: 0.0,
                 random_entity_fraction: 0.0,
                 tool_drills_per_task: 0.0,
+                tool_drill_style: Default::default(),
                 template: CorpusTemplate::Compact,
                 seed: 0,
             },
@@ -400,7 +405,13 @@ pub fn corpus(
                 for _ in 0..whole as usize + extra {
                     let seed = rng.random::<u64>();
                     let with_sim = rng.random::<bool>();
-                    out.extend(tool_drill_texts(&t, profile, seed, with_sim)?);
+                    out.extend(tool_drill_texts(
+                        &t,
+                        profile,
+                        seed,
+                        with_sim,
+                        cfg.tool_drill_style,
+                    )?);
                 }
             }
         }
@@ -415,10 +426,15 @@ fn tool_drill_texts(
     profile: &PromptProfile,
     seed: u64,
     with_sim: bool,
+    style: super::tool_drill::DrillStyle,
 ) -> Result<Vec<Segmented>, TrainError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let server = format!("mcp:{}", random_word_styled(&mut rng, false));
-    let d = super::tool_drill::tool_drill(seed, &crate::engine::spec::mcp_system(&server));
+    let d = super::tool_drill::tool_drill_styled(
+        seed,
+        &crate::engine::spec::mcp_system(&server),
+        style,
+    );
     let mut out = vec![actor_text(t, &d.messages, &tools_json(&d.tools))?];
     if let (true, Some((call, response))) = (with_sim, d.calls.first()) {
         let at = d
@@ -1077,6 +1093,7 @@ mod tests {
             random_copy_fraction: 0.0,
             random_entity_fraction: 0.0,
             tool_drills_per_task: 0.0,
+            tool_drill_style: Default::default(),
             template: CorpusTemplate::Compact,
             seed: 7,
         }

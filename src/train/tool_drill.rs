@@ -18,6 +18,7 @@
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::env::{ToolAnnotations, ToolSpec};
@@ -62,6 +63,64 @@ const READ_VERBS: &[&str] = &["get", "read", "show", "find", "check", "describe"
 const WRITE_VERBS: &[&str] = &[
     "create", "delete", "update", "rename", "archive", "cancel", "send", "add", "move", "close",
 ];
+
+/// How a drill names its tools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DrillStyle {
+    /// `verb_object`, the verb the request uses (3–6 tools): the name can be read off the
+    /// request.
+    #[default]
+    Named,
+    /// 5–14 tools named with a synonym of the request's verb (`write_file` for "create the
+    /// file"), sometimes with a suffix (`fetch_note_info`), at most one read tool per object:
+    /// the name must be looked up in the tool list, as on a real MCP server.
+    Listed,
+}
+
+/// Synonyms a listed-style tool name uses for the request's verb (disjoint sets, so that two
+/// tools never answer the same request).
+const ALIASES: &[(&str, &[&str])] = &[
+    (
+        "read",
+        &[
+            "get", "read", "fetch", "view", "show", "lookup", "inspect", "describe",
+        ],
+    ),
+    ("create", &["create", "write", "make", "new"]),
+    ("add", &["add", "attach", "append", "insert"]),
+    ("delete", &["delete", "remove", "drop", "erase"]),
+    ("update", &["update", "edit", "modify", "patch"]),
+    ("rename", &["rename", "relabel", "retitle"]),
+    ("move", &["move", "relocate", "transfer"]),
+    ("archive", &["archive", "store", "stash"]),
+    ("cancel", &["cancel", "abort", "void"]),
+    ("send", &["send", "deliver", "dispatch", "post"]),
+    ("close", &["close", "resolve", "finish", "complete"]),
+];
+
+/// Suffixes a listed-style tool name may carry after its object.
+const SUFFIXES: &[&str] = &["_info", "_details", "_entry", "_record", "_v2"];
+
+/// A listed-style name for a tool whose request verb is `verb`.
+fn alias_name(verb: &str, object: &str, rng: &mut StdRng) -> String {
+    let group = if READ_VERBS.contains(&verb) {
+        "read"
+    } else {
+        verb
+    };
+    let alias = ALIASES
+        .iter()
+        .find(|(g, _)| *g == group)
+        .and_then(|(_, a)| a.choose(rng).copied())
+        .unwrap_or(verb);
+    let suffix = if rng.random::<f64>() < 0.3 {
+        *SUFFIXES.choose(rng).unwrap_or(&"")
+    } else {
+        ""
+    };
+    format!("{alias}_{object}{suffix}")
+}
 
 /// Extra parameters: name, JSON type, how the request mentions the value.
 struct Extra {
@@ -445,11 +504,21 @@ fn respond(tool: &Tool, args: &Map<String, Value>, rng: &mut StdRng) -> (Value, 
 /// The drill of `seed` (see the module header). `system` is the system prompt the engine gives
 /// an MCP server's tools.
 pub fn tool_drill(seed: u64, system: &str) -> Drill {
+    tool_drill_styled(seed, system, DrillStyle::Named)
+}
+
+/// The drill of `seed` in `style` ([`DrillStyle::Named`] is [`tool_drill`]).
+pub fn tool_drill_styled(seed: u64, system: &str, style: DrillStyle) -> Drill {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x746f_6f6c);
-    let n_tools = rng.random_range(3..=6);
+    let n_tools = match style {
+        DrillStyle::Named => rng.random_range(3..=6),
+        DrillStyle::Listed => rng.random_range(5..=14),
+    };
     let mut tools: Vec<Tool> = Vec::with_capacity(n_tools);
     let mut used: Vec<String> = Vec::new();
-    while tools.len() < n_tools {
+    let mut attempts = 0;
+    while tools.len() < n_tools && attempts < 1000 {
+        attempts += 1;
         let read = rng.random::<bool>();
         let verb = *if read { READ_VERBS } else { WRITE_VERBS }
             .choose(&mut rng)
@@ -467,8 +536,25 @@ pub fn tool_drill(seed: u64, system: &str) -> Drill {
         if used.contains(&name) {
             continue;
         }
+        if style == DrillStyle::Listed {
+            // One read tool per object, and no two tools for one request.
+            let clash = tools
+                .iter()
+                .any(|t| t.object == object.0 && ((read && t.read) || t.verb == verb));
+            if clash {
+                continue;
+            }
+        }
         used.push(name);
-        tools.push(make_tool(verb, object, &mut rng));
+        let mut tool = make_tool(verb, object, &mut rng);
+        if style == DrillStyle::Listed {
+            let alias = alias_name(verb, object.0, &mut rng);
+            if tools.iter().any(|t| t.spec.name == alias) {
+                continue;
+            }
+            tool.spec.name = alias;
+        }
+        tools.push(tool);
     }
     let specs: Vec<ToolSpec> = tools.iter().map(|t| t.spec.clone()).collect();
     let mut messages = vec![Message::system(system)];
@@ -556,6 +642,55 @@ mod tests {
             .flat_map(|s| tool_drill(s, "S").tools.into_iter().map(|t| t.name))
             .collect();
         assert!(names.len() > 60, "{}", names.len());
+    }
+
+    #[test]
+    fn listed_drills_name_tools_that_must_be_looked_up() {
+        let mut renamed = 0;
+        let mut calls = 0;
+        for seed in 0..300 {
+            let d = tool_drill_styled(seed, "S", DrillStyle::Listed);
+            assert_eq!(d, tool_drill_styled(seed, "S", DrillStyle::Listed));
+            assert!((5..=14).contains(&d.tools.len()), "{}", d.tools.len());
+            let mut names: Vec<&str> = d.tools.iter().map(|t| t.name.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), d.tools.len(), "unique names");
+            // At most one read tool per object: a read request has one answer.
+            for t in d.tools.iter().filter(|t| t.annotations.read_only) {
+                let object = t.description.split(' ').nth(2).unwrap_or_default();
+                let same = d
+                    .tools
+                    .iter()
+                    .filter(|u| {
+                        u.annotations.read_only && u.description.split(' ').nth(2) == Some(object)
+                    })
+                    .count();
+                assert_eq!(same, 1, "{:?}", d.tools);
+            }
+            let user = d.messages[1].content.to_lowercase();
+            for (call, _) in &d.calls {
+                calls += 1;
+                assert!(d.tools.iter().any(|t| t.name == call.name));
+                // The request's own verb_object is not the tool's name.
+                let verb = user
+                    .trim_start_matches("please ")
+                    .trim_start_matches("can you ")
+                    .trim_start_matches("i need you to ")
+                    .split(' ')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                renamed += usize::from(!call.name.starts_with(&format!("{verb}_")));
+            }
+        }
+        assert!(calls > 200, "{calls}");
+        assert!(renamed * 2 > calls, "{renamed} of {calls} calls renamed");
+        // The named style is unchanged by the listed one.
+        assert_eq!(
+            tool_drill(3, "S"),
+            tool_drill_styled(3, "S", DrillStyle::Named)
+        );
     }
 
     #[test]
