@@ -30,7 +30,42 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// glibc's allocator, for commands that train: keep freed buffers mapped and never trim the
+/// heap. Every training step frees and reallocates the same large tensors; by default each
+/// one is a fresh mmap whose pages fault in again (measured: most of the CPU in the kernel,
+/// docs/PERFORMANCE.md). glibc reads its tunables when the process starts, so the binary
+/// starts itself again with `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000` (a user's
+/// own `MALLOC_MMAP_MAX_` wins: then nothing happens). The cost: the process keeps its peak
+/// memory. Returns only when the new process could not be started (it then runs as it is).
+fn tune_allocator_for_training() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use std::os::unix::process::CommandExt;
+        if std::env::var_os("MALLOC_MMAP_MAX_").is_some() {
+            return;
+        }
+        let Ok(exe) = std::env::current_exe() else {
+            return;
+        };
+        let err = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("MALLOC_MMAP_MAX_", "0")
+            .env("MALLOC_TRIM_THRESHOLD_", "100000000000")
+            .exec();
+        tracing::debug!("could not restart with the training allocator settings: {err}");
+    }
+}
+
 fn dispatch(cli: Cli) -> Result<()> {
+    if matches!(
+        cli.command,
+        None | Some(Command::Tui(_))
+            | Some(Command::Pretrain(_))
+            | Some(Command::Train(_))
+            | Some(Command::Bench(BenchCommand::Train(_)))
+    ) {
+        tune_allocator_for_training();
+    }
     match cli.command {
         None => tui(cli::TuiArgs::default()),
         Some(Command::Tui(a)) => tui(a),

@@ -874,3 +874,45 @@ fn a_pretrain_continuation_keeps_the_tokenizer_and_records_its_lineage() {
     );
     assert!(!out2.exists() && !out2.with_extension("work").exists());
 }
+
+/// Training commands restart themselves with glibc's allocator tuned for training (freed
+/// buffers stay mapped), unless the user set `MALLOC_MMAP_MAX_` themselves.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn training_commands_run_with_the_training_allocator_settings() {
+    let environ = |user: Option<&str>| -> String {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_envace"));
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["bench", "train", "--steps", "100000"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if let Some(v) = user {
+            cmd.env("MALLOC_MMAP_MAX_", v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        // exec keeps the pid: poll until the restarted process (or the original) is settled.
+        let path = format!("/proc/{}/environ", child.id());
+        let t0 = std::time::Instant::now();
+        let mut env = String::new();
+        while t0.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            env = std::fs::read(&path)
+                .map(|b| String::from_utf8_lossy(&b).replace('\0', "\n"))
+                .unwrap_or_default();
+            if env.contains("MALLOC_MMAP_MAX_") {
+                break;
+            }
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        env
+    };
+    let ours = environ(None);
+    assert!(
+        ours.contains("MALLOC_MMAP_MAX_=0") && ours.contains("MALLOC_TRIM_THRESHOLD_=100000000000"),
+        "{ours}"
+    );
+    let users = environ(Some("65536"));
+    assert!(users.contains("MALLOC_MMAP_MAX_=65536"), "{users}");
+    assert!(!users.contains("MALLOC_TRIM_THRESHOLD_"), "{users}");
+}
