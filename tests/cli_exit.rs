@@ -199,7 +199,7 @@ async fn a_failed_check_names_the_value_it_found() {
 fn ctrl_c_ends_an_evaluation_as_cancelled_and_exits_130() {
     let dir = tempfile::tempdir().unwrap();
     let sessions = dir.path().join("eval");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_envace"))
+    let child = Command::new(env!("CARGO_BIN_EXE_envace"))
         .current_dir(root())
         .args([
             "eval",
@@ -238,7 +238,7 @@ fn ctrl_c_ends_an_evaluation_as_cancelled_and_exits_130() {
     let mut cancelled = 0;
     let mut n = 0;
     for e in std::fs::read_dir(&sessions).unwrap() {
-        let s = read_session(&e.unwrap().path()).unwrap();
+        let s = read_session(e.unwrap().path()).unwrap();
         n += 1;
         let end = s.events.iter().find_map(|e| match &e.event {
             EventBody::EpisodeEnd { reason, .. } => Some(format!("{reason:?}")),
