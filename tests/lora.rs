@@ -315,6 +315,35 @@ fn lora_checkpoints_use_peft_names_and_config_and_resume_bit_for_bit() {
         ac["base_model_name_or_path"],
         std::fs::canonicalize(&base).unwrap().display().to_string()
     );
+    // An adapter whose base is named relative to itself (as shipped in models/) keeps its base
+    // when it trains on: what it saves names the base resolved, so that a checkpoint written
+    // at another depth still finds it.
+    let moved = dir.path().join("a/b");
+    std::fs::create_dir_all(&moved).unwrap();
+    for f in std::fs::read_dir(&fin).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, moved.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut rel = ac.clone();
+    let rel_base = Path::new("../..").join(base.strip_prefix(dir.path()).unwrap());
+    rel["base_model_name_or_path"] = rel_base.display().to_string().into();
+    std::fs::write(moved.join("adapter_config.json"), rel.to_string()).unwrap();
+    let m_rel = TrainableModel::load(&moved, &Device::Cpu).unwrap();
+    assert_eq!(
+        m_rel
+            .lora
+            .as_ref()
+            .unwrap()
+            .base_model_name_or_path
+            .as_deref(),
+        Some(
+            std::fs::canonicalize(&base)
+                .unwrap()
+                .display()
+                .to_string()
+                .as_str()
+        )
+    );
     // Resume from step 3 in LoRA mode: the same adapter as the straight run.
     let ck = out.join("checkpoint-3");
     let loaded = load_for_resume(&ck, &Device::Cpu).unwrap();

@@ -80,9 +80,17 @@ impl TrainableModel {
     /// LoRA mode from an adapter directory (resuming a LoRA run): the base named in its
     /// `adapter_config.json`, frozen, and its adapter, trainable.
     pub fn load_adapter(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
-        let (acfg, tensors) = read_adapter(dir)?;
+        let (mut acfg, tensors) = read_adapter(dir)?;
         let base = acfg.resolve_base(dir)?;
         let decoder = load_base(&base, device, None)?;
+        // A base named relative to `dir` would not resolve from the directories this adapter
+        // is saved into next (checkpoints, a continued run's output): save it resolved.
+        acfg.base_model_name_or_path = Some(
+            std::fs::canonicalize(&base)
+                .unwrap_or_else(|_| base.clone())
+                .display()
+                .to_string(),
+        );
         Self::with_adapter(decoder, acfg, tensors, dir, device)
     }
 
