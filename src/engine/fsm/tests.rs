@@ -1317,7 +1317,7 @@ fn empty_generation_list_fails_the_episode() {
 }
 
 #[test]
-fn scoring_error_finishes_without_a_score() {
+fn scoring_error_finishes_failed_without_a_score_and_is_recorded() {
     let mut e = Engine::new(spec(&["hi"]), cfg(real())).expect("engine");
     let _ = e.handle(Event::Start);
     let effects = e.handle(Event::GenerationDone {
@@ -1331,9 +1331,15 @@ fn scoring_error_finishes_without_a_score() {
         id: Some(*id),
         message: "scorer crashed".into(),
     });
+    // The outcome says why there is no score (an environment failure, exit 3 in the CLI), and
+    // the session records it.
     assert!(
-        matches!(effects.last(), Some(Effect::Finish(o)) if o.score.is_none() && o.end == EndReason::Answered)
+        matches!(effects.last(), Some(Effect::Finish(o)) if o.score.is_none()
+            && o.end == EndReason::Failed { message: "scoring failed: scorer crashed".into() }),
+        "{effects:?}"
     );
+    assert!(effects.iter().any(|f| matches!(f, Effect::Persist(n)
+        if matches!(&n.event, EventBody::ScoringFailed { message } if message == "scorer crashed"))));
 }
 
 #[test]
