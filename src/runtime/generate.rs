@@ -11,7 +11,7 @@ use super::backend::{
 use super::decoder::{Decoder, LogitsAt, Pass};
 use super::kv_cache::KvCache;
 use super::sampler::Sampler;
-use super::tokenizer::Tokenizer;
+use super::tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// What generation needs besides the weights.
 #[derive(Debug, Clone, Copy)]
@@ -144,6 +144,8 @@ struct Row {
     sampler: Sampler,
     text: String,
     emitted: usize,
+    /// Decodes the response a window at a time (linear in its length).
+    detok: IncrementalDecoder,
     finish: Option<FinishReason>,
     /// Cache of this row at the moment it finished (without its last sampled token).
     cache: Option<KvCache>,
@@ -158,6 +160,7 @@ impl Row {
             sampler: Sampler::new(params, seed),
             text: String::new(),
             emitted: 0,
+            detok: IncrementalDecoder::default(),
             finish: None,
             cache: None,
         }
@@ -237,9 +240,9 @@ fn decode_loop(
                 row.finish = Some(FinishReason::Eos);
                 continue;
             }
-            let full = ctx.tokenizer.decode(&row.response)?;
-            if !full.ends_with('\u{FFFD}') {
-                let mut full = full;
+            // Only new, complete text can end a stop string or be streamed.
+            if !row.detok.push(ctx.tokenizer, &row.response)?.is_empty() {
+                let mut full = row.detok.text().to_string();
                 let from = row.text.len().saturating_sub(max_stop);
                 let from = (0..=from)
                     .rev()

@@ -66,30 +66,53 @@ impl Tokenizer {
     }
 }
 
-/// Streams decoded text from a growing list of ids; holds back output while the tail is an
-/// incomplete UTF-8 sequence (decoded as U+FFFD).
+/// Streams decoded text from a growing list of ids, decoding only a window at each step (the
+/// tokens since the last emitted piece plus the ones before it, for context), so that a
+/// response of n tokens costs O(n) decoding, not O(n²). Holds back output while the tail is an
+/// incomplete UTF-8 sequence (decoded as U+FFFD). The text it builds equals the decode of all
+/// the ids whenever that does not end in U+FFFD (tested on real tokenizers).
 #[derive(Debug, Default, Clone)]
 pub struct IncrementalDecoder {
-    emitted: usize,
+    /// Start of the decode window (the context for the next piece).
+    prefix: usize,
+    /// End of what has been emitted.
+    read: usize,
     text: String,
 }
 
 impl IncrementalDecoder {
-    /// Given all ids so far, return the new text that is safe to emit.
+    /// Given all ids so far (the previous ones plus new ones at the end), append the new text
+    /// that is safe to emit to [`Self::text`] and return it ("" while it is incomplete).
     pub fn push(&mut self, tok: &Tokenizer, ids: &[u32]) -> Result<String, RuntimeError> {
-        let text = tok.decode(ids)?;
-        if text.ends_with('\u{FFFD}') {
-            self.text = text;
+        if ids.len() < self.read {
+            // Not a continuation: start over.
+            *self = Self::default();
+        }
+        let before = tok.decode(&ids[self.prefix..self.read])?;
+        let now = tok.decode(&ids[self.prefix..])?;
+        if now.len() <= before.len() || now.ends_with('\u{FFFD}') {
             return Ok(String::new());
         }
-        let new = if text.len() >= self.emitted && text.is_char_boundary(self.emitted) {
-            text[self.emitted..].to_string()
-        } else {
-            String::new()
+        let piece = match now.get(before.len()..).filter(|_| now.starts_with(&before)) {
+            Some(p) => p.to_string(),
+            // The window's decode rewrote earlier text: fall back to the whole decode.
+            None => {
+                let all = tok.decode(ids)?;
+                let p = all
+                    .get(self.text.len()..)
+                    .filter(|_| all.starts_with(&self.text))
+                    .unwrap_or_default()
+                    .to_string();
+                self.text = all;
+                self.prefix = self.read;
+                self.read = ids.len();
+                return Ok(p);
+            }
         };
-        self.emitted = text.len();
-        self.text = text;
-        Ok(new)
+        self.text.push_str(&piece);
+        self.prefix = self.read;
+        self.read = ids.len();
+        Ok(piece)
     }
 
     /// The full text decoded so far.
