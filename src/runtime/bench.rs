@@ -20,8 +20,12 @@ pub struct GenerateBench {
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub prefill_tok_s: f64,
+    /// One row, after the `prompt_tokens` prefill.
     pub decode_tok_s: f64,
+    /// Eight prompts of different lengths (left-padded), the longest `prompt_tokens`.
     pub decode_tok_s_b8: f64,
+    /// Decode time of 8 branches / decode time of 1, each after one shared prefill (prefill
+    /// not timed).
     pub branch_ratio_k8: f64,
     pub runs: usize,
 }
@@ -44,6 +48,15 @@ pub fn bench_prompt(model: &LocalModel, n: usize) -> Result<Vec<u32>, RuntimeErr
     Ok(ids)
 }
 
+/// The `decode_tok_s_b8` batch: eight prefixes of `prompt`, from all of it down to about a
+/// third (at least one token), so that the rows are left-padded as in a real batch.
+pub fn batch_prompts(prompt: &[u32]) -> Vec<Vec<u32>> {
+    let n = prompt.len();
+    (0..8)
+        .map(|i| prompt[..(n - n * i * 3 / 32).max(1).min(n)].to_vec())
+        .collect()
+}
+
 /// Run the generation benchmark.
 pub fn run(
     model: &LocalModel,
@@ -57,6 +70,11 @@ pub fn run(
         eos: &[],
         ..model.context()
     };
+    if prompt_tokens == 0 || new_tokens == 0 {
+        return Err(RuntimeError::Generation(
+            "bench generate: --prompt-tokens and --new-tokens must be at least 1".into(),
+        ));
+    }
     let prompt = bench_prompt(model, prompt_tokens)?;
     let greedy = SamplingParams {
         max_tokens: new_tokens,
@@ -92,18 +110,21 @@ pub fn run(
         let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
         decode.push(n as f64 / t.elapsed().as_secs_f64());
 
-        let short: Vec<Vec<u32>> = (0..8).map(|i| prompt[i * 8..i * 8 + 16].to_vec()).collect();
+        // Eight prompts of different lengths (real left padding), the longest at b1's context.
+        let rows = batch_prompts(&prompt);
         let t = Instant::now();
-        let out = generate_batch(ctx, &short, &greedy, None, &cancel)?;
+        let out = generate_batch(ctx, &rows, &greedy, None, &cancel)?;
         let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
         b8.push(n as f64 / t.elapsed().as_secs_f64());
 
-        let t = Instant::now();
+        // Branch cost: decode time of 8 branches over 1, after one shared prefill each (the
+        // prefill itself is not timed, so that faster decoding does not move the ratio).
         let mut p1 = Prefix::new(&model.decoder, &prompt)?;
+        let t = Instant::now();
         p1.generate(ctx, 1, &sampled, None, &cancel)?;
         let one = t.elapsed().as_secs_f64();
-        let t = Instant::now();
         let mut p8 = Prefix::new(&model.decoder, &prompt)?;
+        let t = Instant::now();
         p8.generate(ctx, 8, &sampled, None, &cancel)?;
         let eight = t.elapsed().as_secs_f64();
         ratio.push(eight / one);

@@ -1,0 +1,72 @@
+//! `envace bench generate` at short prompts (it used to index past a prompt shorter than 72
+//! tokens) and its batch of prompts of different lengths.
+
+// Tests may unwrap: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+use envace::runtime::bench::batch_prompts;
+
+#[test]
+fn bench_generate_runs_at_short_prompts() {
+    for prompt in ["1", "5", "40"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_envace"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args([
+                "bench",
+                "generate",
+                "--model",
+                "models/envace-tiny",
+                "--prompt-tokens",
+                prompt,
+                "--new-tokens",
+                "4",
+                "--runs",
+                "1",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{prompt}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        for k in [
+            "prefill_tok_s",
+            "decode_tok_s",
+            "decode_tok_s_b8",
+            "branch_ratio_k8",
+        ] {
+            assert!(v[k].as_f64().unwrap() > 0.0, "{prompt}: {k} in {v}");
+        }
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "bench",
+            "generate",
+            "--model",
+            "models/envace-tiny",
+            "--prompt-tokens",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--prompt-tokens"));
+}
+
+#[test]
+fn the_batch_rows_differ_in_length_and_the_longest_is_the_whole_prompt() {
+    let prompt: Vec<u32> = (0..512).collect();
+    let rows = batch_prompts(&prompt);
+    assert_eq!(rows.len(), 8);
+    assert_eq!(rows[0], prompt);
+    let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
+    assert!(lens.windows(2).all(|w| w[0] > w[1]), "{lens:?}");
+    assert!(rows.iter().all(|r| prompt.starts_with(r)));
+    assert!(batch_prompts(&[7]).iter().all(|r| r == &[7]));
+}
