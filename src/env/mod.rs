@@ -15,6 +15,7 @@ pub mod domain_env;
 pub mod domains;
 pub mod mcp_client;
 pub mod mcp_server;
+pub mod mcp_tasks;
 pub mod reward;
 pub mod tasks;
 

@@ -568,7 +568,7 @@ fn random_word(rng: &mut StdRng) -> String {
 
 /// A random letter string of 3-8 letters (first letter upper case if `capital`), never a
 /// test-pool value.
-fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
+pub(crate) fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
     const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
     loop {
         let len = rng.random_range(3..=8);

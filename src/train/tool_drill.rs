@@ -231,21 +231,9 @@ const FIELDS: &[&str] = &[
     "status", "owner", "size", "created", "color", "city", "score",
 ];
 
-/// A random letter string (3–8 letters) outside the test pools.
+/// A random letter string (3–8 letters) outside the test pools: the copy drills' generator.
 fn word(rng: &mut StdRng, capital: bool) -> String {
-    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
-    loop {
-        let len = rng.random_range(3..=8);
-        let mut w: String = (0..len)
-            .map(|_| char::from(LETTERS[rng.random_range(0..LETTERS.len())]))
-            .collect();
-        if capital {
-            w = w[..1].to_uppercase() + &w[1..];
-        }
-        if !crate::env::domains::in_test_pools(&w) {
-            return w;
-        }
-    }
+    super::pretrain::random_word_styled(rng, capital)
 }
 
 /// A value for a key parameter.
