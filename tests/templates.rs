@@ -230,3 +230,19 @@ fn what_each_format_makes_the_model_emit_parses_back_into_the_same_calls() {
         }
     }
 }
+
+/// The shipped models speak exactly the compact templates the code renders their corpora with
+/// (both are built from one macro; a drift would silently change what the models see).
+#[test]
+fn shipped_models_carry_the_compact_templates_byte_for_byte() {
+    use envace::runtime::chat_template::{COMPACT_TOOLS_TEMPLATE, COMPACT_TOOLS_TEMPLATE_V2};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let template = |m: &str| -> String {
+        let p = root.join(m).join("tokenizer_config.json");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+        v["chat_template"].as_str().unwrap().to_string()
+    };
+    assert_eq!(template("models/envace-tiny"), COMPACT_TOOLS_TEMPLATE);
+    assert_eq!(template("models/smollm2-envace"), COMPACT_TOOLS_TEMPLATE_V2);
+}

@@ -58,19 +58,20 @@ pub const CHATML_TOOLS_TEMPLATE: &str = r##"{%- if tools %}
 {%- endif %}
 "##;
 
-/// ChatML for small models trained by this project: tools are listed by name and parameter
-/// names only (a tiny model learns the schemas from its training data; long schemas would
-/// dominate its short context), calls are Hermes-style `<tool_call>` blocks on one line, tool
-/// results get their own `tool` turn.
-pub const COMPACT_TOOLS_TEMPLATE: &str = r##"{%- set sys = messages[0].content if messages[0].role == 'system' else '' %}
+/// The compact ChatML templates, which differ only in how one tool of the list is printed.
+macro_rules! compact_tools_template {
+    ($tool:literal) => {
+        concat!(
+            r##"{%- set sys = messages[0].content if messages[0].role == 'system' else '' %}
 {%- if sys or tools %}
 {{- '<|im_start|>system\n' + sys }}
 {%- if tools %}
 {{- '\ntools:' }}
 {%- for tool in tools %}
 {%- set f = tool.function if tool.function is defined else tool %}
-{{- ' ' + f.name + '(' + ((f.parameters.properties | list) if f.parameters is defined and f.parameters.properties is defined else []) | join(',') + ')' }}
-{%- endfor %}
+"##,
+            $tool,
+            r##"{%- endfor %}
 {%- endif %}
 {{- '<|im_end|>\n' }}
 {%- endif %}
@@ -90,46 +91,33 @@ pub const COMPACT_TOOLS_TEMPLATE: &str = r##"{%- set sys = messages[0].content i
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"##;
+"##
+        )
+    };
+}
+
+/// ChatML for small models trained by this project: tools are listed by name and parameter
+/// names only (a tiny model learns the schemas from its training data; long schemas would
+/// dominate its short context), calls are Hermes-style `<tool_call>` blocks on one line, tool
+/// results get their own `tool` turn.
+pub const COMPACT_TOOLS_TEMPLATE: &str = compact_tools_template!(
+    r##"{{- ' ' + f.name + '(' + ((f.parameters.properties | list) if f.parameters is defined and f.parameters.properties is defined else []) | join(',') + ')' }}
+"##
+);
 
 /// [`COMPACT_TOOLS_TEMPLATE`] with optional parameters marked: `read_file(path,tail?,head?)`.
 /// For models fine-tuned here to act on tools they never saw (an MCP server's), which must
 /// tell the arguments they have to give from the ones they may leave out.
-pub const COMPACT_TOOLS_TEMPLATE_V2: &str = r##"{%- set sys = messages[0].content if messages[0].role == 'system' else '' %}
-{%- if sys or tools %}
-{{- '<|im_start|>system\n' + sys }}
-{%- if tools %}
-{{- '\ntools:' }}
-{%- for tool in tools %}
-{%- set f = tool.function if tool.function is defined else tool %}
-{%- set props = (f.parameters.properties | list) if f.parameters is defined and f.parameters.properties is defined else [] %}
+pub const COMPACT_TOOLS_TEMPLATE_V2: &str = compact_tools_template!(
+    r##"{%- set props = (f.parameters.properties | list) if f.parameters is defined and f.parameters.properties is defined else [] %}
 {%- set req = f.parameters.required if f.parameters is defined and f.parameters.required is defined else [] %}
 {{- ' ' + f.name + '(' }}
 {%- for p in props %}
 {{- (',' if not loop.first else '') + p + ('' if p in req else '?') }}
 {%- endfor %}
 {{- ')' }}
-{%- endfor %}
-{%- endif %}
-{{- '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' and loop.first %}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\n' + (message.content or '') }}
-{%- for tool_call in message.tool_calls %}
-{%- set c = tool_call.function if tool_call.function is defined else tool_call %}
-{{- '<tool_call>{"name": "' + c.name + '", "arguments": ' + (c.arguments | tojson) + '}</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- else %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"##;
+"##
+);
 
 /// A compiled chat template plus the special tokens it may reference.
 #[derive(Debug)]
