@@ -4,7 +4,12 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use envace::engine::driver::ApprovalPolicy;
 use envace::engine::runner::ModeChoice;
+use envace::engine::types::{
+    CommitRule, MemoryFormat, MemoryPlacement, MemorySelection, RehearsalDepth, RehearsalStrategy,
+    RehearsalTrigger,
+};
 use envace::env::cli::{BfclEvalArgs, EnvCommand, McpArgs, TasksArgs};
 use envace::runtime::DeviceChoice;
 
@@ -97,8 +102,15 @@ pub struct ForkArgs {
     /// Output session (default: `<stem>.fork-N.jsonl` beside the original).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    #[command(flatten)]
-    pub mode: ModeArgs,
+    /// The fork re-runs the original's recorded episode configuration; this answers its
+    /// approval gate headless (not recorded in version-1 sessions).
+    #[arg(long, value_enum, default_value = "always")]
+    pub approve: ApprovalPolicy,
+    /// Another seed for the same configuration (default: the original's).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
     #[arg(long)]
     pub json: bool,
 }
@@ -111,7 +123,8 @@ pub struct DiffArgs {
     pub json: bool,
 }
 
-/// Mode and rehearsal flags shared by `run` and `eval`.
+/// The episode flags shared by `run` and `eval`: parsed into the one `EpisodeConfig`
+/// (`commands::episode_config`), with the value names the TUI's Run form uses.
 #[derive(Debug, Args, Clone)]
 pub struct ModeArgs {
     #[arg(long, value_enum, default_value = "real")]
@@ -120,13 +133,13 @@ pub struct ModeArgs {
     #[arg(long, default_value_t = 0)]
     pub rehearsals: usize,
     #[arg(long, value_enum, default_value = "parallel")]
-    pub rehearsal_mode: RehearsalModeArg,
+    pub rehearsal_mode: RehearsalStrategy,
     #[arg(long, value_enum, default_value = "irreversible")]
-    pub rehearse_on: RehearseOnArg,
+    pub rehearse_on: RehearsalTrigger,
     /// How a headless run answers the approval gate for irreversible real calls:
     /// always approve, never approve, or auto (approve when Private Rehearsal predicted success).
     #[arg(long, value_enum, default_value = "always")]
-    pub approve: ApproveArg,
+    pub approve: ApprovalPolicy,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long, default_value_t = 8)]
@@ -138,16 +151,16 @@ pub struct ModeArgs {
     pub device: DeviceChoice,
     /// Private Rehearsal memory: compact (one line per branch), full (every step), json.
     #[arg(long, value_enum, default_value = "compact")]
-    pub memory_format: MemoryFormatArg,
+    pub memory_format: MemoryFormat,
     /// Which branches the memory keeps: all, success-first:K, failures-only:K.
     #[arg(long, default_value = "all")]
-    pub memory_select: String,
+    pub memory_select: MemorySelection,
     /// Where the memory goes: user (a note after the conversation) or system (prompt suffix).
     #[arg(long, value_enum, default_value = "user")]
-    pub memory_placement: MemoryPlacementArg,
+    pub memory_placement: MemoryPlacement,
     /// How far an imagined branch runs: a number of actor turns, or `end`.
     #[arg(long, default_value = "2")]
-    pub rehearsal_depth: String,
+    pub rehearsal_depth: RehearsalDepth,
     /// Sampling temperature of the imagined turns and simulations.
     #[arg(long, default_value_t = 0.3)]
     pub rehearsal_temperature: f64,
@@ -156,7 +169,7 @@ pub struct ModeArgs {
     /// again), draft-unless-failure (keep the draft unless its own branch predicted a failure,
     /// else ask again with the memory) or reprompt (always ask again with the memory).
     #[arg(long, value_enum, default_value = "best-branch")]
-    pub rehearsal_commit: RehearsalCommitArg,
+    pub rehearsal_commit: CommitRule,
     /// Sampling temperature of the other branches' first imagined step (default: the
     /// rehearsal temperature). Higher gives best-branch different calls to choose from.
     #[arg(long, value_name = "T")]
@@ -165,45 +178,6 @@ pub struct ModeArgs {
     /// (until an irreversible call succeeds) instead of asking the simulator.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub rehearsal_recall: bool,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum RehearsalCommitArg {
-    Reprompt,
-    DraftUnlessFailure,
-    BestBranch,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum MemoryFormatArg {
-    Compact,
-    Full,
-    Json,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum MemoryPlacementArg {
-    User,
-    System,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum RehearsalModeArg {
-    Parallel,
-    Sequential,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum RehearseOnArg {
-    Irreversible,
-    Every,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum ApproveArg {
-    Always,
-    Never,
-    Auto,
 }
 
 #[derive(Debug, Args)]

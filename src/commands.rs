@@ -6,21 +6,22 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 
 use crate::cli::{
-    ApproveArg, DiffArgs, EvalArgs, ExportArgs, ForkArgs, LoraArgs, MergeArgs, ModeArgs,
-    RehearsalModeArg, RehearseOnArg, RunArgs, SessionsArgs, SftArgs, TrainArgs,
+    DiffArgs, EvalArgs, ExportArgs, ForkArgs, LoraArgs, MergeArgs, ModeArgs, RunArgs, SessionsArgs,
+    SftArgs, TrainArgs,
 };
 use envace::engine::EpisodeOutcome;
-use envace::engine::driver::{ApprovalPolicy, PolicyApprover, SharedModel, share_model};
+use envace::engine::driver::{PolicyApprover, SharedModel, share_model};
 use envace::engine::profile::PromptProfile;
 use envace::engine::runner::{
-    EpisodeEnv, RunOptions, engine_config, eval_domain, header, run_domain_task, run_episode,
+    ConfigError, Episode, EpisodeConfig, EpisodeEnv, EpisodeIo, EvalSet, ModeChoice, Policy,
+    eval_domain, header, launch, run_domain_task,
 };
-use envace::engine::types::{EpisodeSpec, RehearsalStrategy, RehearsalTrigger};
+use envace::engine::types::EpisodeSpec;
 use envace::env::Environment;
 use envace::env::domains::Domain;
 use envace::env::mcp_client::{McpEnv, load_mcp_task_file};
 use envace::env::tasks::{Split, find_builtin};
-use envace::runtime::{CancelToken, LocalModel};
+use envace::runtime::{CancelToken, DeviceChoice, LocalModel};
 use envace::session::{SessionWriter, default_sessions_dir, replay_text, resolve_session_path};
 
 /// How the binary's exit status reports an episode command (README, "Exit codes"): returned as
@@ -120,99 +121,72 @@ fn cancel_on_ctrl_c() -> CancelToken {
     cancel
 }
 
-/// The Private Rehearsal knobs of `m`.
-pub fn rehearsal_tuning(m: &ModeArgs) -> Result<envace::engine::runner::RehearsalTuning> {
-    use crate::cli::{MemoryFormatArg, MemoryPlacementArg};
-    use envace::engine::types::{MemoryFormat, MemoryPlacement, MemorySelection, RehearsalDepth};
-    let mut t = envace::engine::runner::RehearsalTuning::default();
-    t.memory.format = match m.memory_format {
-        MemoryFormatArg::Compact => MemoryFormat::Compact,
-        MemoryFormatArg::Full => MemoryFormat::Full,
-        MemoryFormatArg::Json => MemoryFormat::Json,
+/// The episode configuration the flags describe, validated (errors name the flag's field).
+pub fn episode_config(m: &ModeArgs) -> Result<EpisodeConfig> {
+    use envace::engine::types::{MemoryConfig, PrivateRehearsal};
+    let d = PrivateRehearsal::default();
+    let pr = PrivateRehearsal {
+        branches: m.rehearsals.max(1),
+        strategy: m.rehearsal_mode,
+        trigger: m.rehearse_on,
+        depth: m.rehearsal_depth,
+        memory: MemoryConfig {
+            format: m.memory_format,
+            selection: m.memory_select,
+            placement: m.memory_placement,
+            commit: m.rehearsal_commit,
+            ..MemoryConfig::default()
+        },
+        sampling: envace::runtime::SamplingParams {
+            temperature: m.rehearsal_temperature,
+            ..d.sampling
+        },
+        recall_errors: m.rehearsal_recall,
+        explore_temperature: m.rehearsal_explore,
     };
-    t.memory.placement = match m.memory_placement {
-        MemoryPlacementArg::User => MemoryPlacement::UserMessage,
-        MemoryPlacementArg::System => MemoryPlacement::SystemSuffix,
-    };
-    t.memory.commit = match m.rehearsal_commit {
-        crate::cli::RehearsalCommitArg::Reprompt => envace::engine::types::CommitRule::Reprompt,
-        crate::cli::RehearsalCommitArg::DraftUnlessFailure => {
-            envace::engine::types::CommitRule::DraftUnlessFailure
+    // The errors name the flag. The rehearsal flags are checked even with --rehearsals 0: a
+    // bad value should not pass silently because it happens to be unused.
+    let flag = |e: ConfigError| -> anyhow::Error {
+        match e {
+            ConfigError::Invalid { field, problem } => {
+                let flag = match field {
+                    "max_turns" => "--max-turns",
+                    "actor_temperature" => "--temperature",
+                    "rehearsal.branches" => "--rehearsals",
+                    "rehearsal.depth" => "--rehearsal-depth",
+                    "rehearsal.temperature" => "--rehearsal-temperature",
+                    "rehearsal.explore_temperature" => "--rehearsal-explore",
+                    "rehearsal.memory.selection" => "--memory-select",
+                    other => other,
+                };
+                anyhow::anyhow!("{flag}: {problem}")
+            }
+            other => other.into(),
         }
-        crate::cli::RehearsalCommitArg::BestBranch => envace::engine::types::CommitRule::BestBranch,
     };
-    let k = |s: &str| -> Result<usize> {
-        s.parse::<usize>()
-            .ok()
-            .filter(|k| *k > 0)
-            .with_context(|| format!("--memory-select: `{s}` is not a count ≥ 1"))
-    };
-    t.memory.selection = match m.memory_select.split_once(':') {
-        None if m.memory_select == "all" => MemorySelection::All,
-        Some(("success-first", n)) => MemorySelection::SuccessFirst(k(n)?),
-        Some(("failures-only", n)) => MemorySelection::FailuresOnly(k(n)?),
-        _ => bail!(
-            "--memory-select `{}`: expected all, success-first:K or failures-only:K",
-            m.memory_select
-        ),
-    };
-    t.depth =
-        match m.rehearsal_depth.as_str() {
-            "end" => RehearsalDepth::ToEnd,
-            n => RehearsalDepth::Turns(n.parse::<u32>().ok().filter(|d| *d > 0).with_context(
-                || format!("--rehearsal-depth `{n}`: expected a number ≥ 1 or `end`"),
-            )?),
-        };
-    anyhow::ensure!(
-        m.rehearsal_temperature >= 0.0,
-        "--rehearsal-temperature must be ≥ 0"
-    );
-    t.temperature = m.rehearsal_temperature;
-    if let Some(x) = m.rehearsal_explore {
-        anyhow::ensure!(
-            x.is_finite() && x >= 0.0,
-            "--rehearsal-explore must be a temperature ≥ 0"
-        );
-    }
-    t.explore_temperature = m.rehearsal_explore;
-    t.recall_errors = m.rehearsal_recall;
-    Ok(t)
-}
-
-pub fn run_options(m: &ModeArgs) -> RunOptions {
-    RunOptions {
-        mode: m.mode,
-        rehearsals: m.rehearsals,
-        rehearsal_mode: match m.rehearsal_mode {
-            RehearsalModeArg::Parallel => RehearsalStrategy::Parallel,
-            RehearsalModeArg::Sequential => RehearsalStrategy::Sequential,
-        },
-        rehearse_on: match m.rehearse_on {
-            RehearseOnArg::Irreversible => RehearsalTrigger::Irreversible,
-            RehearseOnArg::Every => RehearsalTrigger::EveryCall,
-        },
-        approve: match m.approve {
-            ApproveArg::Always => ApprovalPolicy::Always,
-            ApproveArg::Never => ApprovalPolicy::Never,
-            ApproveArg::Auto => ApprovalPolicy::Auto,
-        },
+    EpisodeConfig::new(ModeChoice::Shadow)
+        .with_rehearsal(Some(pr.clone()))
+        .and_then(|c| c.validate())
+        .map_err(flag)?;
+    let rehearsal = (m.rehearsals > 0).then_some(pr);
+    let config = EpisodeConfig {
+        approve: m.approve,
         seed: m.seed,
         max_turns: m.max_turns,
-        temperature: m.temperature,
-        // Validated by `checked_run_options`; invalid values fall back to the defaults here.
-        rehearsal: rehearsal_tuning(m).unwrap_or_default(),
+        actor_temperature: m.temperature,
+        ..EpisodeConfig::new(m.mode)
     }
-}
-
-/// [`run_options`], refusing invalid rehearsal knobs with a message naming the flag.
-pub fn checked_run_options(m: &ModeArgs) -> Result<RunOptions> {
-    rehearsal_tuning(m)?;
-    Ok(run_options(m))
+    .with_rehearsal(rehearsal)?;
+    config.validate().map_err(flag)?;
+    Ok(config)
 }
 
 /// Load a model and its prompt profile.
-pub fn load_model(path: &Path, m: &ModeArgs) -> Result<(SharedModel, Option<PromptProfile>)> {
-    let model = LocalModel::load(path, m.device)
+pub fn load_model(
+    path: &Path,
+    device: DeviceChoice,
+) -> Result<(SharedModel, Option<PromptProfile>)> {
+    let model = LocalModel::load(path, device)
         .with_context(|| format!("loading model {}", path.display()))?;
     let profile = PromptProfile::read(path)?;
     Ok((share_model(Box::new(model)), profile))
@@ -258,10 +232,14 @@ fn mcp_run_config(
 }
 
 pub async fn run(a: RunArgs) -> Result<()> {
-    let opts = checked_run_options(&a.mode)?;
-    let (model, profile) = load_model(&a.model, &a.mode)?;
+    let config = episode_config(&a.mode)?;
+    let (model, profile) = load_model(&a.model, a.mode.device)?;
+    let policy = Policy {
+        model: &model,
+        profile: profile.as_ref(),
+    };
     let cancel = cancel_on_ctrl_c();
-    let mut approver = PolicyApprover(opts.approve);
+    let mut approver = PolicyApprover(config.approve);
     let (outcome, path) = if let Some(env) = &a.env {
         let id = a
             .task
@@ -275,18 +253,8 @@ pub async fn run(a: RunArgs) -> Result<()> {
                 task.domain
             );
         }
-        let path = resolve_session_path(a.out.clone(), env, Some(id), opts.seed)?;
-        let o = run_domain_task(
-            &model,
-            task,
-            &opts,
-            profile.as_ref(),
-            &path,
-            &mut approver,
-            None,
-            cancel,
-        )
-        .await?;
+        let path = resolve_session_path(a.out.clone(), env, Some(id), config.seed)?;
+        let o = run_domain_task(policy, task, &config, &path, &mut approver, None, cancel).await?;
         (o, path)
     } else if let Some((cfg, file, tf)) = mcp_run_config(&a)? {
         let file = &file;
@@ -315,26 +283,34 @@ pub async fn run(a: RunArgs) -> Result<()> {
             tools,
             examples: Vec::new(),
         };
-        let cfg = engine_config(&opts, profile.as_ref())?;
         let name = env.name();
-        let path = resolve_session_path(a.out.clone(), &name, Some(&task.id), opts.seed)?;
+        let path = resolve_session_path(a.out.clone(), &name, Some(&task.id), config.seed)?;
         let mut writer = SessionWriter::create(
             &path,
-            &header(&model, &name, Some(task.id.clone()), &cfg, opts.seed),
+            &header(policy, &name, Some(task.id.clone()), &config)?,
         )?;
         // Rehearse mode never touches the server: the episode is unscored.
-        let o = run_episode(
-            &model,
-            spec,
-            cfg,
-            EpisodeEnv::External(&mut env),
-            Some(task.id.clone()),
-            &mut approver,
-            &mut writer,
-            None,
+        let io = EpisodeIo {
+            env: EpisodeEnv::External(&mut env),
+            sink: &mut writer,
+            approver: &mut approver,
+            ui: None,
             cancel,
+        };
+        let o = launch(
+            policy,
+            Episode::new(spec, Some(task.id.clone())),
+            &config,
+            io,
         )
-        .await?;
+        .await;
+        let o = match o {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = env.close().await;
+                return Err(e.into());
+            }
+        };
         let _ = env.close().await;
         (o, path)
     } else {
@@ -352,14 +328,14 @@ pub async fn run(a: RunArgs) -> Result<()> {
 pub async fn eval(a: EvalArgs) -> Result<()> {
     if let (Some(dir), Some(cat)) = (&a.bfcl, &a.category) {
         let entries = envace::env::bfcl::load_category(dir, cat)?;
-        let opts = checked_run_options(&a.mode)?;
-        let (model, profile) = load_model(&a.model, &a.mode)?;
+        let config = episode_config(&a.mode)?;
+        let (model, profile) = load_model(&a.model, a.mode.device)?;
         let t0 = std::time::Instant::now();
         let report = envace::engine::runner::eval_bfcl_live(
             &model,
             &entries,
             cat,
-            &opts,
+            &config,
             profile.as_ref(),
             |i, n| {
                 if !a.json {
@@ -395,8 +371,8 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         "test" => Split::Test,
         other => bail!("--split: `{other}` (train or test)"),
     };
-    let opts = checked_run_options(&a.mode)?;
-    let (model, profile) = load_model(&a.model, &a.mode)?;
+    let config = episode_config(&a.mode)?;
+    let (model, profile) = load_model(&a.model, a.mode.device)?;
     let dir: PathBuf = match &a.sessions {
         Some(d) => d.clone(),
         None => default_sessions_dir()
@@ -404,19 +380,25 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
             .join(format!(
                 "eval-{env}-{}-s{}-{}",
                 a.split,
-                opts.seed,
+                config.seed,
                 chrono::Utc::now().format("%Y%m%dT%H%M%S")
             )),
     };
     let quiet = a.json;
     let cancel = cancel_on_ctrl_c();
-    let (summary, outcomes) = eval_domain(
-        &model,
+    let policy = Policy {
+        model: &model,
+        profile: profile.as_ref(),
+    };
+    let set = EvalSet {
         domain,
         split,
-        a.limit,
-        &opts,
-        profile.as_ref(),
+        limit: a.limit,
+    };
+    let (summary, outcomes) = eval_domain(
+        policy,
+        set,
+        &config,
         &dir,
         |i, n, o| {
             if !quiet {
@@ -735,7 +717,8 @@ fn parse_edit(spec: &str, flag: &str) -> Result<(String, String)> {
 }
 
 pub async fn fork(a: ForkArgs) -> Result<()> {
-    use envace::engine::fork::{ForkEdit, ForkRequest, fork_path, run_fork};
+    use envace::engine::fork::{ForkEdit, ForkRequest, fork_path};
+    use envace::engine::runner::{recorded_config, run_fork};
     let edit = match (&a.edit_tool, &a.edit_actor) {
         (Some(e), _) => {
             let (event_id, content) = parse_edit(e, "--edit-tool")?;
@@ -752,15 +735,30 @@ pub async fn fork(a: ForkArgs) -> Result<()> {
         at_event: a.at.clone(),
         edit,
     };
-    let opts = checked_run_options(&a.mode)?;
-    let (model, profile) = load_model(&a.model, &a.mode)?;
+    // The fork re-runs what the original ran: its recorded episode configuration.
+    let original = envace::session::read_session(&a.session)?;
+    let mut config = recorded_config(
+        &original.header,
+        &EpisodeConfig {
+            approve: a.approve,
+            ..EpisodeConfig::default()
+        },
+    );
+    config.approve = a.approve;
+    if let Some(seed) = a.seed {
+        config.seed = seed;
+    }
+    let (model, profile) = load_model(&a.model, a.device)?;
+    let policy = Policy {
+        model: &model,
+        profile: profile.as_ref(),
+    };
     let out = a.out.clone().unwrap_or_else(|| fork_path(&a.session));
-    let mut approver = PolicyApprover(opts.approve);
+    let mut approver = PolicyApprover(config.approve);
     let o = run_fork(
-        &model,
+        policy,
         &req,
-        &opts,
-        profile.as_ref(),
+        &config,
         &out,
         &mut approver,
         None,

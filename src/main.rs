@@ -314,40 +314,26 @@ fn demo(model: Option<std::path::PathBuf>) -> Result<()> {
         path.display()
     );
     let out = std::env::temp_dir().join(format!("envace-demo-{}.jsonl", std::process::id()));
-    let args = cli::RunArgs {
-        model: path,
-        env: Some("bank".into()),
-        task: Some("bank-test-0004".into()),
-        mcp: envace::env::cli::McpArgs {
-            mcp: None,
-            mcp_url: None,
-            mcp_env: Vec::new(),
-            mcp_cwd: None,
-            timeout: 30.0,
-        },
-        headers: Default::default(),
-        task_file: None,
-        mode: cli::ModeArgs {
-            mode: envace::engine::runner::ModeChoice::Shadow,
-            rehearsals: 2,
-            rehearsal_mode: cli::RehearsalModeArg::Parallel,
-            rehearse_on: cli::RehearseOnArg::Irreversible,
-            approve: cli::ApproveArg::Always,
-            seed: 0,
-            max_turns: 8,
-            temperature: 0.0,
-            device: Default::default(),
-            memory_format: cli::MemoryFormatArg::Compact,
-            memory_select: "all".into(),
-            memory_placement: cli::MemoryPlacementArg::User,
-            rehearsal_depth: "2".into(),
-            rehearsal_temperature: 0.3,
-            rehearsal_commit: cli::RehearsalCommitArg::BestBranch,
-            rehearsal_explore: None,
-            rehearsal_recall: true,
-        },
-        out: Some(out),
-        json: false,
+    // The same flags a person would type: `envace run … --mode shadow --rehearsals 2`.
+    let argv = [
+        "envace".to_string(),
+        "run".into(),
+        "--model".into(),
+        path.display().to_string(),
+        "--env".into(),
+        "bank".into(),
+        "--task".into(),
+        "bank-test-0004".into(),
+        "--mode".into(),
+        "shadow".into(),
+        "--rehearsals".into(),
+        "2".into(),
+        "--out".into(),
+        out.display().to_string(),
+    ];
+    let args = match <cli::Cli as clap::Parser>::try_parse_from(argv)?.command {
+        Some(cli::Command::Run(a)) => a,
+        _ => anyhow::bail!("the demo's command line did not parse as `envace run`"),
     };
     println!(
         "envace demo: the bundled model on a held-out bank task, shadow mode, Private Rehearsal N=2"

@@ -15,9 +15,11 @@ fn envace() -> Command {
 #[test]
 fn bad_rehearsal_flags_name_the_flag() {
     for (flag, value, needle) in [
-        ("--memory-select", "bogus", "--memory-select `bogus`"),
+        ("--memory-select", "bogus", "for '--memory-select"),
         ("--memory-select", "success-first:0", "not a count"),
-        ("--rehearsal-depth", "0", "--rehearsal-depth `0`"),
+        ("--rehearsal-depth", "0", "for '--rehearsal-depth"),
+        ("--rehearse-on", "sometimes", "for '--rehearse-on"),
+        ("--temperature", "-0.5", "--temperature:"),
         ("--rehearsal-temperature", "-1", "--rehearsal-temperature"),
         ("--rehearsal-explore", "-0.5", "--rehearsal-explore"),
         ("--rehearsal-explore", "NaN", "--rehearsal-explore"),

@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use envace::engine::driver::{ApprovalPolicy, PolicyApprover, share_model};
-use envace::engine::runner::{EpisodeEnv, ModeChoice, RunOptions, engine_config, run_episode};
+use envace::engine::runner::{
+    Episode, EpisodeConfig, EpisodeEnv, EpisodeIo, ModeChoice, Policy, launch,
+};
 use envace::engine::types::EpisodeSpec;
 use envace::env::Environment;
 use envace::env::mcp_client::{McpEnv, McpServerConfig};
@@ -132,32 +134,31 @@ async fn episode(mode: ModeChoice, dir: &Path) -> envace::engine::EpisodeOutcome
         tools,
         examples: Vec::new(),
     };
-    let opts = RunOptions {
-        mode,
+    let config = EpisodeConfig {
         max_turns: 12,
         approve: ApprovalPolicy::Always,
-        ..Default::default()
+        ..EpisodeConfig::new(mode)
     };
-    let cfg = engine_config(&opts, None).unwrap();
     let model = share_model(Box::new(ScriptedPolicy {
         dir: dir.to_path_buf(),
         turn: 0,
     }));
     let mut approver = PolicyApprover(ApprovalPolicy::Always);
     let mut sink = MemorySink::default();
-    let o = run_episode(
-        &model,
-        spec,
-        cfg,
-        EpisodeEnv::External(&mut env),
-        None,
-        &mut approver,
-        &mut sink,
-        None,
-        CancelToken::new(),
-    )
-    .await
-    .unwrap();
+    let io = EpisodeIo {
+        env: EpisodeEnv::External(&mut env),
+        sink: &mut sink,
+        approver: &mut approver,
+        ui: None,
+        cancel: CancelToken::new(),
+    };
+    let policy = Policy {
+        model: &model,
+        profile: None,
+    };
+    let o = launch(policy, Episode::new(spec, None), &config, io)
+        .await
+        .unwrap();
     env.close().await.unwrap();
     o
 }

@@ -12,11 +12,12 @@ use std::path::{Path, PathBuf};
 
 use envace::engine::EpisodeOutcome;
 use envace::engine::driver::{ApprovalPolicy, PolicyApprover, SharedModel, share_model};
-use envace::engine::fork::{
-    ForkEdit, ForkError, ForkRequest, fork_path, fork_spec, run_fork, run_options_of,
-};
+use envace::engine::fork::{ForkEdit, ForkError, ForkRequest, fork_path, fork_spec};
 use envace::engine::profile::PromptProfile;
-use envace::engine::runner::{ModeChoice, RunError, RunOptions, replay_history, run_domain_task};
+use envace::engine::runner::{
+    EpisodeConfig, ModeChoice, Policy, RunError, recorded_config, replay_history, run_domain_task,
+    run_fork,
+};
 use envace::engine::spec::gold_conversation;
 use envace::env::tasks::find_builtin;
 use envace::env::{DomainEnv, Environment, ToolResponse};
@@ -49,14 +50,13 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-fn record(m: &SharedModel, profile: Option<&PromptProfile>, opts: &RunOptions, out: &Path) {
+fn record(m: &SharedModel, profile: Option<&PromptProfile>, opts: &EpisodeConfig, out: &Path) {
     let task = find_builtin(TASK).unwrap();
     let mut approver = PolicyApprover(ApprovalPolicy::Always);
     rt().block_on(run_domain_task(
-        m,
+        Policy { model: m, profile },
         task,
         opts,
-        profile,
         out,
         &mut approver,
         None,
@@ -69,15 +69,14 @@ fn fork(
     m: &SharedModel,
     profile: Option<&PromptProfile>,
     req: &ForkRequest,
-    opts: &RunOptions,
+    opts: &EpisodeConfig,
 ) -> (PathBuf, Result<EpisodeOutcome, RunError>) {
     let out = fork_path(&req.session);
     let mut approver = PolicyApprover(ApprovalPolicy::Always);
     let r = rt().block_on(run_fork(
-        m,
+        Policy { model: m, profile },
         req,
         opts,
-        profile,
         &out,
         &mut approver,
         None,
@@ -157,15 +156,15 @@ fn a_fork_at_the_start_reproduces_the_original() {
     let (m, profile) = model();
     let dir = tempfile::tempdir().unwrap();
     let original = dir.path().join("orig.jsonl");
-    record(&m, profile.as_ref(), &RunOptions::default(), &original);
+    record(&m, profile.as_ref(), &EpisodeConfig::default(), &original);
     let o = read_session(&original).unwrap();
     let first_user = main_messages(&o)
         .into_iter()
         .find(|(_, m)| m.role == Role::User)
         .map(|(e, _)| e.id.clone())
         .unwrap();
-    let opts = run_options_of(&o.header);
-    assert_eq!(opts.mode, ModeChoice::Real);
+    let opts = recorded_config(&o.header, &EpisodeConfig::default());
+    assert_eq!(opts, EpisodeConfig::default());
     let (out, r) = fork(
         &m,
         profile.as_ref(),
@@ -207,7 +206,7 @@ fn forks_with_edits_replay_the_history_on_the_live_environment() {
     let p = profile.as_ref();
     let dir = tempfile::tempdir().unwrap();
     let original = dir.path().join("orig.jsonl");
-    let opts = RunOptions::default();
+    let opts = EpisodeConfig::default();
     record(&m, p, &opts, &original);
     let o = read_session(&original).unwrap();
     let first_actor = main_messages(&o)
@@ -331,17 +330,14 @@ fn a_rehearse_mode_fork_is_scored_by_the_verifier_with_the_history() {
     let (m, profile) = model();
     let dir = tempfile::tempdir().unwrap();
     let original = dir.path().join("orig.jsonl");
-    record(&m, profile.as_ref(), &RunOptions::default(), &original);
+    record(&m, profile.as_ref(), &EpisodeConfig::default(), &original);
     let o = read_session(&original).unwrap();
     let tool = main_messages(&o)
         .into_iter()
         .find(|(_, m)| m.role == Role::Tool)
         .map(|(e, _)| e.id.clone())
         .unwrap();
-    let opts = RunOptions {
-        mode: ModeChoice::Rehearse,
-        ..RunOptions::default()
-    };
+    let opts = EpisodeConfig::new(ModeChoice::Rehearse);
     let (out, r) = fork(
         &m,
         profile.as_ref(),
@@ -467,7 +463,7 @@ fn bad_forks_are_refused_naming_the_event() {
         &m,
         profile.as_ref(),
         &request(&mcp, "e9", None),
-        &RunOptions::default(),
+        &EpisodeConfig::default(),
     );
     let e = r.unwrap_err();
     assert!(
@@ -475,4 +471,52 @@ fn bad_forks_are_refused_naming_the_event() {
             .contains("forking MCP sessions is not supported"),
         "{e}"
     );
+}
+
+/// The header stores the episode configuration whole (every knob, not only mode and seed), and
+/// a version-1 header (engine configuration only) gives the same configuration back but for the
+/// headless approval policy, which it never recorded.
+#[test]
+fn the_recorded_configuration_is_the_one_that_ran() {
+    use envace::engine::types::{PrivateRehearsal, RehearsalStrategy, SimFailurePolicy};
+    let (m, profile) = model();
+    let dir = tempfile::tempdir().unwrap();
+    let original = dir.path().join("orig.jsonl");
+    let config = EpisodeConfig {
+        seed: 3,
+        max_turns: 6,
+        simulator_temperature: 0.2,
+        sim_failure: SimFailurePolicy::ShowErrorToActor,
+        approve: ApprovalPolicy::Auto,
+        ..EpisodeConfig::new(ModeChoice::Shadow)
+    }
+    .with_rehearsal(Some(PrivateRehearsal {
+        branches: 2,
+        strategy: RehearsalStrategy::Sequential,
+        explore_temperature: Some(0.8),
+        ..PrivateRehearsal::default()
+    }))
+    .unwrap();
+    record(&m, profile.as_ref(), &config, &original);
+    let o = read_session(&original).unwrap();
+    assert_eq!(
+        recorded_config(&o.header, &EpisodeConfig::default()),
+        config
+    );
+    let mut v1 = o.header.clone();
+    v1.episode = None;
+    v1.format_version = 1;
+    let back = recorded_config(
+        &v1,
+        &EpisodeConfig {
+            approve: ApprovalPolicy::Auto,
+            ..EpisodeConfig::default()
+        },
+    );
+    // The engine seeds the rehearsal sampler from the episode seed; the rest is the same.
+    let mut expected = config.clone();
+    if let envace::engine::types::Mode::Shadow(l) = &mut expected.mode {
+        l.private_rehearsal.as_mut().unwrap().sampling.seed = 3;
+    }
+    assert_eq!(back, expected);
 }

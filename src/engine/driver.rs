@@ -54,7 +54,7 @@ pub trait ApprovalHook: Send {
 }
 
 /// Headless approval policies (`--approve always|never|auto`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalPolicy {
     /// Approve every gated call.

@@ -5,7 +5,8 @@
 //!
 //! [`fork_spec`] is pure: it turns a session and a [`ForkRequest`] into the episode spec and the
 //! played *history* (the main-line messages after the initial conversation, up to the fork
-//! point, edit applied). [`run_fork`] runs it on a built-in domain: the engine starts from the
+//! point, edit applied). [`run_fork`](super::runner::run_fork) runs it on a built-in domain, with
+//! the original's configuration ([`recorded_config`](super::runner::recorded_config)): the engine starts from the
 //! history ([`Engine::with_history`](super::Engine::with_history)) and the live environment is
 //! brought to the history's state by replaying its played calls
 //! ([`replay_history`](super::runner::replay_history)); the conversation keeps its own, possibly
@@ -26,26 +27,12 @@
 
 use std::path::{Path, PathBuf};
 
-use tokio::sync::mpsc::UnboundedSender;
-
-use super::driver::{ApprovalHook, DriverEvent, SharedModel};
-use super::fsm::{EngineError, EpisodeOutcome, check_history};
+use super::fsm::{EngineError, check_history};
 use super::parse::{ActorAction, parse_actor};
-use super::profile::PromptProfile;
 use super::prompts::assistant_message;
-use super::runner::{
-    EpisodeEnv, ModeChoice, RunError, RunOptions, engine_config, header, run_episode_from,
-};
-use super::spec::task_spec;
-use super::types::{EngineConfig, EpisodeSpec, Mode};
-use crate::env::domain_env::DomainEnv;
-use crate::env::domains::Domain;
-use crate::env::tasks::find_builtin;
+use super::types::EpisodeSpec;
 use crate::message::{Message, Role};
-use crate::runtime::CancelToken;
-use crate::session::{
-    EventBody, ForkOrigin, Session, SessionHeader, SessionTree, SessionWriter, read_session,
-};
+use crate::session::{EventBody, ForkOrigin, Session, SessionTree};
 
 /// "Fork from here".
 #[derive(Debug, Clone, PartialEq)]
@@ -261,68 +248,6 @@ pub fn fork_spec(session: &Session, req: &ForkRequest) -> Result<ForkSpec, ForkE
     })
 }
 
-/// Fork a built-in domain session and run it with `model`, writing the new session to `out`
-/// (see [`fork_path`]). `opts` are the run's options (the original's: [`run_options_of`]).
-#[allow(clippy::too_many_arguments)] // the driver's inputs, passed through as they are
-pub async fn run_fork(
-    model: &SharedModel,
-    req: &ForkRequest,
-    opts: &RunOptions,
-    profile: Option<&PromptProfile>,
-    out: &Path,
-    approver: &mut dyn ApprovalHook,
-    ui: Option<UnboundedSender<DriverEvent>>,
-    cancel: CancelToken,
-) -> Result<EpisodeOutcome, RunError> {
-    let session = read_session(&req.session)?;
-    let environment = session.header.environment.clone();
-    let domain =
-        Domain::from_name(&environment).map_err(|_| ForkError::NotADomain { environment })?;
-    let plan = fork_spec(&session, req)?;
-    let task_id = plan.task_id.clone().ok_or(ForkError::NoTask)?;
-    let task = find_builtin(&task_id).ok_or_else(|| ForkError::UnknownTask {
-        task_id: task_id.clone(),
-    })?;
-    let rebuilt = task_spec(task, false)?;
-    let changed = if task.domain != domain.name() {
-        Some("domain")
-    } else if rebuilt.user_turns != plan.spec.user_turns {
-        Some("user turns")
-    } else if rebuilt.tools != plan.spec.tools {
-        Some("tools")
-    } else {
-        None
-    };
-    if let Some(what) = changed {
-        return Err(ForkError::TaskChanged { task_id, what }.into());
-    }
-
-    let cfg = engine_config(opts, profile)?;
-    let mut head = header(model, domain.name(), Some(task_id.clone()), &cfg, opts.seed);
-    let mut origin = plan.origin;
-    if out.parent() == req.session.parent()
-        && let Some(name) = req.session.file_name()
-    {
-        origin.session = name.to_string_lossy().into_owned();
-    }
-    head.forked_from = Some(origin);
-    let mut env = DomainEnv::with_tasks(domain, vec![task.clone()]);
-    let mut writer = SessionWriter::create(out, &head)?;
-    run_episode_from(
-        model,
-        plan.spec,
-        plan.history,
-        cfg,
-        EpisodeEnv::Domain(&mut env),
-        Some(task_id),
-        approver,
-        &mut writer,
-        ui,
-        cancel,
-    )
-    .await
-}
-
 /// A free file name for a fork of `original`, beside it: `<stem>.fork-<n>.jsonl` with the
 /// smallest `n ≥ 1` not taken. A fork of a fork (`x.fork-1.jsonl`) is named from the first
 /// stem (`x.fork-2.jsonl`); its header records the lineage. (Not reserved: two forks started at
@@ -347,50 +272,6 @@ pub fn fork_path(original: &Path) -> PathBuf {
             return p;
         }
         n += 1;
-    }
-}
-
-/// The run options a session was recorded with, as far as its header says (its engine
-/// configuration, seed and mode); the approval policy is not recorded and is
-/// `RunOptions::default()`'s. Falls back to the defaults, with the header's seed and mode, when
-/// the configuration does not parse.
-pub fn run_options_of(header: &SessionHeader) -> RunOptions {
-    let mode = match header.mode.as_str() {
-        "rehearse" => ModeChoice::Rehearse,
-        "shadow" => ModeChoice::Shadow,
-        _ => ModeChoice::Real,
-    };
-    let base = RunOptions {
-        mode,
-        seed: header.seed,
-        ..RunOptions::default()
-    };
-    let Ok(cfg) = serde_json::from_value::<EngineConfig>(header.config.clone()) else {
-        return base;
-    };
-    let rehearsal = match &cfg.mode {
-        Mode::Real(l) | Mode::Shadow(l) => l.private_rehearsal.clone(),
-        Mode::Rehearse => None,
-    };
-    RunOptions {
-        rehearsals: rehearsal.as_ref().map_or(0, |r| r.branches),
-        rehearsal_mode: rehearsal
-            .as_ref()
-            .map_or(base.rehearsal_mode, |r| r.strategy),
-        rehearse_on: rehearsal.as_ref().map_or(base.rehearse_on, |r| r.trigger),
-        max_turns: cfg.max_turns,
-        temperature: cfg.actor_sampling.temperature,
-        rehearsal: rehearsal
-            .as_ref()
-            .map(|r| crate::engine::runner::RehearsalTuning {
-                depth: r.depth,
-                memory: r.memory.clone(),
-                temperature: r.sampling.temperature,
-                recall_errors: r.recall_errors,
-                explore_temperature: r.explore_temperature,
-            })
-            .unwrap_or_default(),
-        ..base
     }
 }
 

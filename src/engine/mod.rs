@@ -7,6 +7,10 @@
 //!   `Environment`, an approval hook and an event sink.
 //! - [`parse`]: actor (tolerant) and simulator (strict) output parsers.
 //! - [`prompts`]: actor prompt, per-call simulator prompt, rehearsal memory.
+//! - [`episode`]: THE episode configuration (what clap, the TUI form and GRPO build; stored
+//!   whole in session headers) and its single translation into the engine's configuration.
+//! - [`runner`]: THE launcher ([`launch`]) and what is built on it (a task to a session file,
+//!   a fork, a split evaluation).
 //! - [`eval`]: the `envace eval` summary over episode outcomes.
 //! - [`fidelity`]: simulated-vs-real response metrics (shadow mode).
 //! - [`fork`]: counterfactual re-runs: continue a saved session from one of its main-line
@@ -17,6 +21,7 @@
 
 pub mod bfcl_eval;
 pub mod driver;
+pub mod episode;
 pub mod eval;
 pub mod fidelity;
 pub mod fork;
@@ -32,13 +37,15 @@ pub use driver::{
     ApprovalHook, ApprovalPolicy, Driver, DriverError, DriverEvent, EnvAccess, PolicyApprover,
     SharedModel, share_model,
 };
+pub use episode::{ConfigError, EpisodeConfig, ModeChoice};
 pub use eval::EvalSummary;
-pub use fork::{ForkEdit, ForkError, ForkRequest, ForkSpec, fork_path, fork_spec, run_fork};
+pub use fork::{ForkEdit, ForkError, ForkRequest, ForkSpec, fork_path, fork_spec};
 pub use fsm::{
     ApprovalRequest, Effect, Engine, EngineError, EpisodeOutcome, EpisodeStats, Event,
     GenerateRequest, PlayedCall, REJECTED_BY_USER, RealCallPermit, RehearsalVerdict, RequestId,
     check_history, played_calls,
 };
+pub use runner::{Episode, EpisodeEnv, EpisodeIo, Policy, launch, recorded_config, run_fork};
 pub use types::{
     ApprovalGate, BranchEnd, BranchStep, BranchSummary, Decision, EndReason, EngineConfig,
     EpisodeSpec, GenRole, LiveOptions, MemoryConfig, MemoryFormat, MemoryPlacement,

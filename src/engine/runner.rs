@@ -1,109 +1,40 @@
-//! Runs whole episodes for the CLI, the TUI and evaluation: builds the engine configuration from
-//! user options and the model's prompt profile, picks the environment access the mode allows
-//! (a live environment, or a verifier used only after a rehearsed episode), writes the session.
+//! The one launcher: [`launch`] runs an episode for the CLI, the TUI, GRPO rollouts and forks
+//! from an [`Episode`] (spec, optional played history, task id), an [`EpisodeConfig`] and its
+//! [`EpisodeIo`] (environment, session sink, approval hook, UI stream, cancel token). It picks
+//! the environment access the mode allows (a live environment, or a verifier used only after a
+//! rehearsed episode) and brings a live environment to a played history's state. Built on it:
+//! a built-in task written to a session file, a fork of a saved session, a split evaluation.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::UnboundedSender;
 
+pub use crate::engine::episode::{ConfigError, EpisodeConfig, ModeChoice};
+
 use crate::engine::driver::{
-    ApprovalHook, ApprovalPolicy, Driver, DriverError, DriverEvent, EnvAccess, SharedModel,
+    ApprovalHook, Driver, DriverError, DriverEvent, EnvAccess, PolicyApprover, SharedModel,
 };
 use crate::engine::eval::EvalSummary;
+use crate::engine::fork::{ForkError, ForkRequest, fork_spec};
 use crate::engine::fsm::{Engine, EngineError, EpisodeOutcome, played_calls};
 use crate::engine::profile::PromptProfile;
 use crate::engine::spec::task_spec;
-use crate::engine::types::{
-    EngineConfig, EpisodeSpec, LiveOptions, MemoryConfig, Mode, PrivateRehearsal, RehearsalDepth,
-    RehearsalStrategy, RehearsalTrigger,
-};
+use crate::engine::types::{EngineConfig, EpisodeSpec, Mode};
 use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
-use crate::env::tasks::{Split, Task, list_tasks};
+use crate::env::tasks::{Split, Task, find_builtin, list_tasks};
 use crate::env::{EnvError, Environment};
 use crate::message::Message;
 use crate::runtime::CancelToken;
 use crate::session::schema::{ModelRef, SessionHeader};
-use crate::session::{EventSink, SessionError, SessionWriter};
-
-/// How the world answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum ModeChoice {
-    Real,
-    Rehearse,
-    Shadow,
-}
-
-/// Options shared by `envace run`, `envace eval`, the TUI's Run tab and rollouts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunOptions {
-    pub mode: ModeChoice,
-    /// Private Rehearsal branches (0 = off). Needs a real environment (real or shadow mode).
-    pub rehearsals: usize,
-    pub rehearsal_mode: RehearsalStrategy,
-    pub rehearse_on: RehearsalTrigger,
-    pub approve: ApprovalPolicy,
-    pub seed: u64,
-    pub max_turns: u32,
-    /// Actor sampling temperature (0 = greedy).
-    pub temperature: f64,
-    /// How Private Rehearsal imagines and what its memory looks like.
-    #[serde(default)]
-    pub rehearsal: RehearsalTuning,
-}
-
-/// Private Rehearsal knobs beyond N, strategy and trigger (defaults: `PrivateRehearsal`'s).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RehearsalTuning {
-    pub depth: RehearsalDepth,
-    pub memory: MemoryConfig,
-    /// Sampling temperature of the imagined turns and simulations.
-    pub temperature: f64,
-    /// See [`PrivateRehearsal::recall_errors`].
-    #[serde(default = "crate::engine::types::default_recall_errors")]
-    pub recall_errors: bool,
-    /// See [`PrivateRehearsal::explore_temperature`].
-    #[serde(default)]
-    pub explore_temperature: Option<f64>,
-}
-
-impl Default for RehearsalTuning {
-    fn default() -> Self {
-        let d = PrivateRehearsal::default();
-        Self {
-            depth: d.depth,
-            memory: d.memory,
-            temperature: d.sampling.temperature,
-            recall_errors: d.recall_errors,
-            explore_temperature: d.explore_temperature,
-        }
-    }
-}
-
-impl Default for RunOptions {
-    fn default() -> Self {
-        Self {
-            mode: ModeChoice::Real,
-            rehearsals: 0,
-            rehearsal_mode: RehearsalStrategy::Parallel,
-            rehearse_on: RehearsalTrigger::Irreversible,
-            approve: ApprovalPolicy::Always,
-            seed: 0,
-            max_turns: 8,
-            temperature: 0.0,
-            rehearsal: RehearsalTuning::default(),
-        }
-    }
-}
+use crate::session::{EventSink, SessionError, SessionWriter, read_session};
 
 /// Failures of a run.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("private rehearsal needs a real environment: use --mode real or --mode shadow")]
-    RehearsalWithoutEnvironment,
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Env(#[from] EnvError),
     #[error(transparent)]
@@ -113,59 +44,12 @@ pub enum RunError {
     #[error(transparent)]
     Session(#[from] SessionError),
     #[error(transparent)]
-    Fork(#[from] crate::engine::fork::ForkError),
+    Fork(#[from] ForkError),
     #[error(
         "a played history cannot be replayed on an external environment (its calls would run \
          again for real); start from a built-in domain"
     )]
     HistoryOnExternal,
-}
-
-/// The engine configuration for `opts` and a model's profile.
-pub fn engine_config(
-    opts: &RunOptions,
-    profile: Option<&PromptProfile>,
-) -> Result<EngineConfig, RunError> {
-    let live = || LiveOptions {
-        private_rehearsal: (opts.rehearsals > 0).then(|| {
-            let d = PrivateRehearsal::default();
-            PrivateRehearsal {
-                branches: opts.rehearsals,
-                strategy: opts.rehearsal_mode,
-                trigger: opts.rehearse_on,
-                depth: opts.rehearsal.depth,
-                memory: opts.rehearsal.memory.clone(),
-                sampling: crate::runtime::SamplingParams {
-                    temperature: opts.rehearsal.temperature,
-                    ..d.sampling
-                },
-                recall_errors: opts.rehearsal.recall_errors,
-                explore_temperature: opts.rehearsal.explore_temperature,
-            }
-        }),
-        ..LiveOptions::default()
-    };
-    let mode = match opts.mode {
-        ModeChoice::Real => Mode::Real(live()),
-        ModeChoice::Shadow => Mode::Shadow(live()),
-        ModeChoice::Rehearse => {
-            if opts.rehearsals > 0 {
-                return Err(RunError::RehearsalWithoutEnvironment);
-            }
-            Mode::Rehearse
-        }
-    };
-    let mut cfg = EngineConfig {
-        mode,
-        max_turns: opts.max_turns,
-        ..EngineConfig::default()
-    };
-    cfg.actor_sampling.temperature = opts.temperature;
-    if let Some(p) = profile {
-        cfg.sim_prompt = p.sim_prompt.clone();
-        cfg.actor_thinking = p.actor_thinking;
-    }
-    Ok(cfg.with_seed(opts.seed))
 }
 
 /// What the episode may touch besides the model.
@@ -177,57 +61,65 @@ pub enum EpisodeEnv<'a> {
     External(&'a mut dyn Environment),
 }
 
-/// Run one episode of `spec`.
-#[allow(clippy::too_many_arguments)]
-pub async fn run_episode(
-    model: &SharedModel,
-    spec: EpisodeSpec,
-    cfg: EngineConfig,
-    env: EpisodeEnv<'_>,
-    task_id: Option<String>,
-    approver: &mut dyn ApprovalHook,
-    sink: &mut dyn EventSink,
-    ui: Option<UnboundedSender<DriverEvent>>,
-    cancel: CancelToken,
-) -> Result<EpisodeOutcome, RunError> {
-    run_episode_from(
-        model,
-        spec,
-        Vec::new(),
-        cfg,
-        env,
-        task_id,
-        approver,
-        sink,
-        ui,
-        cancel,
-    )
-    .await
+/// The model that plays both roles and how to prompt it (its `envace.json` profile).
+#[derive(Clone, Copy)]
+pub struct Policy<'a> {
+    pub model: &'a SharedModel,
+    pub profile: Option<&'a PromptProfile>,
 }
 
-/// Run one episode of `spec` starting after a played `history` (a fork; see
-/// [`Engine::with_history`]). In real and shadow mode the live environment is reset and then
-/// brought to the state after the history by replaying its played calls
+/// What to play.
+#[derive(Debug, Clone)]
+pub struct Episode {
+    pub spec: EpisodeSpec,
+    /// Main-line messages already played (a fork; see [`Engine::with_history`]); empty for a
+    /// fresh episode.
+    pub history: Vec<Message>,
+    /// The task the environment resets to (and scores against).
+    pub task_id: Option<String>,
+}
+
+impl Episode {
+    pub fn new(spec: EpisodeSpec, task_id: Option<String>) -> Self {
+        Self {
+            spec,
+            history: Vec::new(),
+            task_id,
+        }
+    }
+}
+
+/// Everything an episode talks to besides the model.
+pub struct EpisodeIo<'a> {
+    pub env: EpisodeEnv<'a>,
+    pub sink: &'a mut dyn EventSink,
+    pub approver: &'a mut dyn ApprovalHook,
+    /// Driver events for a UI, streamed as they happen.
+    pub ui: Option<UnboundedSender<DriverEvent>>,
+    pub cancel: CancelToken,
+}
+
+/// Run one episode. In real and shadow mode the live environment is reset and then brought to
+/// the state after the episode's played history by replaying its played calls
 /// ([`replay_history`]); rehearse mode needs nothing (the verifier replays the whole trace,
 /// history included). An external environment with a history is refused in live modes: its
 /// calls would run again for real.
-#[allow(clippy::too_many_arguments)]
-pub async fn run_episode_from(
-    model: &SharedModel,
-    spec: EpisodeSpec,
-    history: Vec<Message>,
-    cfg: EngineConfig,
-    env: EpisodeEnv<'_>,
-    task_id: Option<String>,
-    approver: &mut dyn ApprovalHook,
-    sink: &mut dyn EventSink,
-    ui: Option<UnboundedSender<DriverEvent>>,
-    cancel: CancelToken,
+pub async fn launch(
+    policy: Policy<'_>,
+    episode: Episode,
+    config: &EpisodeConfig,
+    io: EpisodeIo<'_>,
 ) -> Result<EpisodeOutcome, RunError> {
+    let cfg = config.engine_config(policy.profile)?;
     let rehearse = matches!(cfg.mode, Mode::Rehearse);
+    let Episode {
+        spec,
+        history,
+        task_id,
+    } = episode;
     let played = !played_calls(&history).is_empty();
     let mut engine = Engine::new(spec, cfg)?.with_history(history.clone())?;
-    let access = match (rehearse, env) {
+    let access = match (rehearse, io.env) {
         (true, EpisodeEnv::Domain(env)) => EnvAccess::VerifyAfter {
             verifier: env,
             task_id,
@@ -241,12 +133,12 @@ pub async fn run_episode_from(
         }
     };
     let mut driver = Driver {
-        model: model.clone(),
+        model: policy.model.clone(),
         env: access,
-        approver,
-        sink,
-        ui,
-        cancel,
+        approver: io.approver,
+        sink: io.sink,
+        ui: io.ui,
+        cancel: io.cancel,
     };
     Ok(driver.run(&mut engine).await?)
 }
@@ -265,15 +157,16 @@ pub async fn replay_history(
     Ok(calls.len())
 }
 
-/// The session header of a run.
+/// The session header of an episode: the model, the episode configuration whole, and the
+/// engine configuration it resolves to with `profile`.
 pub fn header(
-    model: &SharedModel,
+    policy: Policy<'_>,
     env: &str,
     task_id: Option<String>,
-    cfg: &EngineConfig,
-    seed: u64,
-) -> SessionHeader {
-    let info = match model.lock() {
+    config: &EpisodeConfig,
+) -> Result<SessionHeader, ConfigError> {
+    let engine = config.engine_config(policy.profile)?;
+    let info = match policy.model.lock() {
         Ok(m) => Some(m.info()),
         Err(_) => None,
     };
@@ -291,58 +184,165 @@ pub fn header(
         .map(|i| std::path::Path::new(&i.path))
         .filter(|p| p.join("adapter_config.json").is_file())
         .map(|p| p.display().to_string());
-    SessionHeader::new(mref, adapter, env, task_id, seed, cfg)
+    let head = SessionHeader::new(
+        mref,
+        adapter,
+        env,
+        task_id,
+        config.seed,
+        config.mode_choice().name(),
+        serde_json::to_value(&engine).unwrap_or(serde_json::Value::Null),
+    );
+    Ok(match serde_json::to_value(config) {
+        Ok(v) => head.with_episode(v),
+        Err(_) => head,
+    })
+}
+
+/// The episode configuration a session was recorded with: its header's `episode` (written
+/// since format version 2), else recovered from the version-1 engine configuration
+/// ([`EpisodeConfig::from_engine`]) with `approve` from `fallback`; else `fallback` with the
+/// header's seed and mode.
+pub fn recorded_config(header: &SessionHeader, fallback: &EpisodeConfig) -> EpisodeConfig {
+    if let Some(c) = header
+        .episode
+        .as_ref()
+        .and_then(|v| serde_json::from_value::<EpisodeConfig>(v.clone()).ok())
+    {
+        return c;
+    }
+    if let Ok(engine) = serde_json::from_value::<EngineConfig>(header.config.clone()) {
+        return EpisodeConfig {
+            seed: header.seed,
+            ..EpisodeConfig::from_engine(&engine, fallback.approve)
+        };
+    }
+    let mode = match header.mode.as_str() {
+        "rehearse" => ModeChoice::Rehearse,
+        "shadow" => ModeChoice::Shadow,
+        _ => ModeChoice::Real,
+    };
+    EpisodeConfig {
+        seed: header.seed,
+        approve: fallback.approve,
+        ..EpisodeConfig::new(mode)
+    }
 }
 
 /// Run a built-in domain task, writing its session to `out`.
-#[allow(clippy::too_many_arguments)] // the driver's inputs, passed through as they are
 pub async fn run_domain_task(
-    model: &SharedModel,
+    policy: Policy<'_>,
     task: &Task,
-    opts: &RunOptions,
-    profile: Option<&PromptProfile>,
+    config: &EpisodeConfig,
     out: &Path,
     approver: &mut dyn ApprovalHook,
     ui: Option<UnboundedSender<DriverEvent>>,
     cancel: CancelToken,
 ) -> Result<EpisodeOutcome, RunError> {
     let domain = task.domain()?;
-    let cfg = engine_config(opts, profile)?;
     let spec = task_spec(task, false)?;
     let mut env = DomainEnv::with_tasks(domain, vec![task.clone()]);
     let mut writer = SessionWriter::create(
         out,
-        &header(model, domain.name(), Some(task.id.clone()), &cfg, opts.seed),
+        &header(policy, domain.name(), Some(task.id.clone()), config)?,
     )?;
-    run_episode(
-        model,
-        spec,
-        cfg,
-        EpisodeEnv::Domain(&mut env),
-        Some(task.id.clone()),
+    let io = EpisodeIo {
+        env: EpisodeEnv::Domain(&mut env),
+        sink: &mut writer,
         approver,
-        &mut writer,
         ui,
         cancel,
+    };
+    launch(
+        policy,
+        Episode::new(spec, Some(task.id.clone())),
+        config,
+        io,
     )
     .await
 }
 
+/// Fork a built-in domain session and run it with `model`, writing the new session to `out`
+/// (see [`fork_path`](crate::engine::fork::fork_path)). `config` is the run's configuration
+/// (the original's: [`recorded_config`]).
+pub async fn run_fork(
+    policy: Policy<'_>,
+    req: &ForkRequest,
+    config: &EpisodeConfig,
+    out: &Path,
+    approver: &mut dyn ApprovalHook,
+    ui: Option<UnboundedSender<DriverEvent>>,
+    cancel: CancelToken,
+) -> Result<EpisodeOutcome, RunError> {
+    let session = read_session(&req.session)?;
+    let environment = session.header.environment.clone();
+    let domain =
+        Domain::from_name(&environment).map_err(|_| ForkError::NotADomain { environment })?;
+    let plan = fork_spec(&session, req)?;
+    let task_id = plan.task_id.clone().ok_or(ForkError::NoTask)?;
+    let task = find_builtin(&task_id).ok_or_else(|| ForkError::UnknownTask {
+        task_id: task_id.clone(),
+    })?;
+    let rebuilt = task_spec(task, false)?;
+    let changed = if task.domain != domain.name() {
+        Some("domain")
+    } else if rebuilt.user_turns != plan.spec.user_turns {
+        Some("user turns")
+    } else if rebuilt.tools != plan.spec.tools {
+        Some("tools")
+    } else {
+        None
+    };
+    if let Some(what) = changed {
+        return Err(ForkError::TaskChanged { task_id, what }.into());
+    }
+
+    let mut head = header(policy, domain.name(), Some(task_id.clone()), config)?;
+    let mut origin = plan.origin;
+    if out.parent() == req.session.parent()
+        && let Some(name) = req.session.file_name()
+    {
+        origin.session = name.to_string_lossy().into_owned();
+    }
+    head.forked_from = Some(origin);
+    let mut env = DomainEnv::with_tasks(domain, vec![task.clone()]);
+    let mut writer = SessionWriter::create(out, &head)?;
+    let episode = Episode {
+        spec: plan.spec,
+        history: plan.history,
+        task_id: Some(task_id),
+    };
+    let io = EpisodeIo {
+        env: EpisodeEnv::Domain(&mut env),
+        sink: &mut writer,
+        approver,
+        ui,
+        cancel,
+    };
+    launch(policy, episode, config, io).await
+}
+
+/// Which tasks an evaluation plays.
+#[derive(Debug, Clone, Copy)]
+pub struct EvalSet {
+    pub domain: Domain,
+    pub split: Split,
+    /// The first this many tasks of the split (all when `None`).
+    pub limit: Option<usize>,
+}
+
 /// Evaluate a model on a domain split; one session per task under `sessions_dir`.
-#[allow(clippy::too_many_arguments)]
 pub async fn eval_domain(
-    model: &SharedModel,
-    domain: Domain,
-    split: Split,
-    limit: Option<usize>,
-    opts: &RunOptions,
-    profile: Option<&PromptProfile>,
+    policy: Policy<'_>,
+    set: EvalSet,
+    config: &EpisodeConfig,
     sessions_dir: &Path,
     mut progress: impl FnMut(usize, usize, &EpisodeOutcome),
     cancel: CancelToken,
 ) -> Result<(EvalSummary, Vec<(String, EpisodeOutcome)>), RunError> {
-    let tasks = list_tasks(domain, Some(split));
-    let n = limit.unwrap_or(tasks.len()).min(tasks.len());
+    config.validate()?;
+    let tasks = list_tasks(set.domain, Some(set.split));
+    let n = set.limit.unwrap_or(tasks.len()).min(tasks.len());
     let t0 = Instant::now();
     let mut outcomes = Vec::with_capacity(n);
     std::fs::create_dir_all(sessions_dir).map_err(|e| SessionError::Io {
@@ -354,12 +354,11 @@ pub async fn eval_domain(
             break;
         }
         let path: PathBuf = sessions_dir.join(format!("{}.jsonl", task.id));
-        let mut approver = crate::engine::driver::PolicyApprover(opts.approve);
+        let mut approver = PolicyApprover(config.approve);
         let o = run_domain_task(
-            model,
+            policy,
             task,
-            opts,
-            profile,
+            config,
             &path,
             &mut approver,
             None,
@@ -383,7 +382,7 @@ pub fn eval_bfcl_live(
     model: &SharedModel,
     entries: &[crate::env::bfcl::BfclEntry],
     category: &str,
-    opts: &RunOptions,
+    config: &EpisodeConfig,
     profile: Option<&PromptProfile>,
     mut progress: impl FnMut(usize, usize),
     cancel: &CancelToken,
@@ -394,8 +393,8 @@ pub fn eval_bfcl_live(
     let mut responses = std::collections::HashMap::new();
     let thinking = profile.is_some_and(|p| p.actor_thinking);
     let params = crate::runtime::SamplingParams {
-        temperature: opts.temperature,
-        seed: opts.seed,
+        temperature: config.actor_temperature,
+        seed: config.seed,
         max_tokens: 384,
         ..Default::default()
     };

@@ -141,7 +141,7 @@ impl Default for PrivateRehearsal {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum RehearsalStrategy {
     /// Independent branches (first steps sampled as one batch).
@@ -150,12 +150,13 @@ pub enum RehearsalStrategy {
     Sequential,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum RehearsalTrigger {
     /// Before turns that contain an irreversible call.
     Irreversible,
     /// Before every turn with calls.
+    #[value(name = "every", alias = "every-call")]
     EveryCall,
 }
 
@@ -186,7 +187,7 @@ pub struct MemoryConfig {
 }
 
 /// What the actor commits after a Private Rehearsal.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum CommitRule {
     /// Always ask the actor again, with the memory in its prompt.
@@ -229,7 +230,7 @@ impl Default for MemoryConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryFormat {
     /// One line per branch: actions → outcomes → prediction.
@@ -250,12 +251,14 @@ pub enum MemorySelection {
     FailuresOnly(usize),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryPlacement {
     /// A user-role note appended after the conversation (works with every chat template).
+    #[value(name = "user")]
     UserMessage,
     /// Appended to the system prompt.
+    #[value(name = "system")]
     SystemSuffix,
 }
 

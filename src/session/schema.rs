@@ -13,7 +13,7 @@ use serde_json::Value;
 use crate::engine::fidelity::Fidelity;
 use crate::engine::parse::{ActorTurn, FormatEvent};
 use crate::engine::types::{
-    BranchSummary, Decision, EndReason, EngineConfig, GenRole, RehearsalDepth, RehearsalStrategy,
+    BranchSummary, Decision, EndReason, GenRole, RehearsalDepth, RehearsalStrategy,
     RehearsalTrigger, ScoredBy, SimulatedOutcome,
 };
 use crate::env::{ChecklistItem, ToolResponse, ToolSpec};
@@ -76,7 +76,11 @@ pub struct SessionHeader {
     #[serde(default)]
     pub task_id: Option<String>,
     pub mode: String,
-    /// The engine configuration, as JSON.
+    /// The episode configuration as chosen (the engine's `EpisodeConfig`, as JSON; opaque to
+    /// this module): what fork and replay re-run. Absent in version-1 files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub episode: Option<Value>,
+    /// The engine configuration it resolved to (with the model's prompt profile), as JSON.
     pub config: Value,
     /// Set when this session was forked from another one (a counterfactual re-run); absent in
     /// ordinary sessions and in files written before forks existed.
@@ -88,13 +92,15 @@ pub struct SessionHeader {
 }
 
 impl SessionHeader {
+    /// A header without an episode configuration (see [`Self::with_episode`]).
     pub fn new(
         model: ModelRef,
         adapter: Option<String>,
         environment: impl Into<String>,
         task_id: Option<String>,
         seed: u64,
-        config: &EngineConfig,
+        mode: &str,
+        config: Value,
     ) -> Self {
         Self {
             format: SESSION_FORMAT.to_string(),
@@ -105,11 +111,20 @@ impl SessionHeader {
             seed,
             environment: environment.into(),
             task_id,
-            mode: config.mode.name().to_string(),
-            config: serde_json::to_value(config).unwrap_or(Value::Null),
+            mode: mode.to_string(),
+            episode: None,
+            config,
             forked_from: None,
             ts: None,
         }
+    }
+}
+
+impl SessionHeader {
+    /// Record the episode configuration as chosen (what fork and replay re-run).
+    pub fn with_episode(mut self, episode: Value) -> Self {
+        self.episode = Some(episode);
+        self
     }
 }
 

@@ -24,7 +24,8 @@ fn header() -> SessionHeader {
         "bank",
         Some("t1".into()),
         7,
-        &EngineConfig::default(),
+        "real",
+        serde_json::to_value(EngineConfig::default()).expect("config"),
     )
 }
 

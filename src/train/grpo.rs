@@ -19,7 +19,7 @@ use super::optim::{AdamW, AdamWConfig};
 use crate::engine::driver::{ApprovalPolicy, PolicyApprover, share_model};
 use crate::engine::profile::PromptProfile;
 use crate::engine::runner::{
-    EpisodeEnv, ModeChoice, RunOptions, engine_config, header, run_episode,
+    Episode, EpisodeConfig, EpisodeEnv, EpisodeIo, ModeChoice, Policy, header, launch,
 };
 use crate::engine::spec::task_spec;
 use crate::engine::types::GenRole;
@@ -257,15 +257,12 @@ struct RolloutSink {
 }
 
 impl RolloutSink {
-    #[allow(clippy::too_many_arguments)] // the session header's inputs
     fn new(
         dir: Option<&Path>,
-        step: usize,
+        (step, g): (usize, usize),
         task: &Task,
-        g: usize,
-        model: &crate::engine::driver::SharedModel,
-        ecfg: &crate::engine::types::EngineConfig,
-        seed: u64,
+        policy: Policy<'_>,
+        config: &EpisodeConfig,
     ) -> Result<Self, TrainError> {
         let file = match dir {
             None => None,
@@ -274,7 +271,8 @@ impl RolloutSink {
                     .join(format!("step-{step:04}"))
                     .join(format!("{}-g{g}.jsonl", task.id));
                 let domain = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
-                let head = header(model, domain.name(), Some(task.id.clone()), ecfg, seed);
+                let head = header(policy, domain.name(), Some(task.id.clone()), config)
+                    .map_err(|e| TrainError::Data(e.to_string()))?;
                 Some(
                     SessionWriter::create(&path, &head)
                         .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?,
@@ -783,21 +781,24 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
             let task = &group_task(cfg, train_task, step, ti)?;
             let mut group = Vec::with_capacity(cfg.group);
             for g in 0..cfg.group {
-                let opts = RunOptions {
-                    mode: cfg.mode,
+                // The rollout's episode: the trainer's mode, turn limit and temperatures,
+                // every call approved, a seed per (step, task, group member).
+                let config = EpisodeConfig {
                     max_turns: cfg.max_turns,
-                    temperature: cfg.temperature,
+                    actor_temperature: cfg.temperature,
+                    simulator_temperature: cfg.sim_temperature,
+                    recall_recorded: cfg.sim_recall,
                     approve: ApprovalPolicy::Always,
                     seed: cfg
                         .seed
                         .wrapping_mul(1_000_003)
                         .wrapping_add((step * 10_007 + ti * 101 + g) as u64),
-                    ..RunOptions::default()
+                    ..EpisodeConfig::new(cfg.mode)
                 };
-                let mut ecfg = engine_config(&opts, profile.as_ref())
-                    .map_err(|e| TrainError::Data(e.to_string()))?;
-                ecfg.simulator_sampling.temperature = cfg.sim_temperature;
-                ecfg.recall_recorded = cfg.sim_recall;
+                let policy = Policy {
+                    model: &shared,
+                    profile: profile.as_ref(),
+                };
                 let domain = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
                 // Rehearse: the simulator sees the task's recorded gold run (as in EnvACE).
                 let spec = task_spec(task, cfg.mode == ModeChoice::Rehearse)
@@ -805,25 +806,25 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
                 let mut env = DomainEnv::with_tasks(domain, vec![(*task).clone()]);
                 let mut sink_mem = RolloutSink::new(
                     cfg.rollouts_dir.as_deref(),
-                    step,
+                    (step, g),
                     task,
-                    g,
-                    &shared,
-                    &ecfg,
-                    opts.seed,
+                    policy,
+                    &config,
                 )?;
                 let mut approver = PolicyApprover(ApprovalPolicy::Always);
+                let io = EpisodeIo {
+                    env: EpisodeEnv::Domain(&mut env),
+                    sink: &mut sink_mem,
+                    approver: &mut approver,
+                    ui: None,
+                    cancel: cancel.clone(),
+                };
                 let outcome = rt
-                    .block_on(run_episode(
-                        &shared,
-                        spec,
-                        ecfg,
-                        EpisodeEnv::Domain(&mut env),
-                        Some(task.id.clone()),
-                        &mut approver,
-                        &mut sink_mem,
-                        None,
-                        cancel.clone(),
+                    .block_on(launch(
+                        policy,
+                        Episode::new(spec, Some(task.id.clone())),
+                        &config,
+                        io,
                     ))
                     .map_err(|e| TrainError::Data(format!("rollout: {e}")))?;
                 reward_sum += outcome.reward();

@@ -248,7 +248,7 @@ pub enum Effect {
     /// Fork a session and re-run from there with the current model and the Run tab's options.
     Fork {
         spec: super::debugger::ForkSpec,
-        opts: crate::engine::runner::RunOptions,
+        config: crate::engine::episode::EpisodeConfig,
         autonomy: Autonomy,
     },
     LoadModel(PathBuf),
@@ -1046,14 +1046,20 @@ impl App {
         }
         match self.debugger.fork_request(edit) {
             Ok(req) => {
-                let opts = self.run.options();
+                let config = match self.run.config() {
+                    Ok(c) => c,
+                    Err(e) => {
+                        self.notify(Level::Warn, e);
+                        return Vec::new();
+                    }
+                };
                 let autonomy = self.run.autonomy();
                 self.run.forking(&req);
                 self.notice = None;
                 self.tab = Tab::Run;
                 vec![Effect::Fork {
                     spec: req,
-                    opts,
+                    config,
                     autonomy,
                 }]
             }

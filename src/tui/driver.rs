@@ -21,12 +21,15 @@ use super::run_tab::{Autonomy, RunEnv, RunRequest};
 use super::theme;
 use super::train_tab::{TrainRequest, scan_checkpoints};
 use crate::engine::driver::{ApprovalHook, DriverEvent, SharedModel, share_model};
-use crate::engine::fork::{ForkEdit, ForkRequest, fork_path, run_fork};
+use crate::engine::fork::{ForkEdit, ForkRequest, fork_path};
 use crate::engine::fsm::ApprovalRequest;
 use crate::engine::profile::PromptProfile;
-use crate::engine::runner::{EpisodeEnv, RunError, RunOptions, engine_config, header, run_episode};
+use crate::engine::runner::{
+    Episode, EpisodeConfig, EpisodeEnv, EpisodeIo, Policy, RunError, header, launch,
+    recorded_config, run_fork,
+};
 use crate::engine::spec::{domain_system, task_spec};
-use crate::engine::types::{ApprovalGate, Decision, EngineConfig, EpisodeSpec, Mode};
+use crate::engine::types::{Decision, EpisodeSpec};
 use crate::env::Environment;
 use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
@@ -345,13 +348,13 @@ fn perform(ctx: &mut Ctx, e: Effect) {
         }
         Effect::Fork {
             spec,
-            opts,
+            config,
             autonomy,
         } => start_run(
             ctx,
             Job::Fork(ForkJob {
                 spec,
-                opts,
+                config,
                 autonomy,
             }),
         ),
@@ -528,7 +531,9 @@ enum Job {
 
 struct ForkJob {
     spec: ForkSpec,
-    opts: RunOptions,
+    /// The Run tab's configuration: its approval gate applies; the rest is the original's
+    /// (the fork re-runs what the original ran).
+    config: EpisodeConfig,
     autonomy: Autonomy,
 }
 
@@ -602,11 +607,18 @@ fn start_run(ctx: &mut Ctx, job: Job) {
                             }
                         }),
                     };
+                    let config = match crate::session::read_session(&req.session) {
+                        Ok(original) => fork_config(&original.header, &f.config),
+                        Err(e) => return Err(e.to_string()),
+                    };
+                    let policy = Policy {
+                        model: &model,
+                        profile: profile.as_ref(),
+                    };
                     run_fork(
-                        &model,
+                        policy,
                         &req,
-                        &f.opts,
-                        profile.as_ref(),
+                        &config,
                         &out,
                         &mut approver,
                         Some(uitx),
@@ -638,15 +650,13 @@ fn start_run(ctx: &mut Ctx, job: Job) {
     });
 }
 
-fn gate(cfg: &mut EngineConfig, autonomy: Autonomy) {
-    if let Mode::Real(l) | Mode::Shadow(l) = &mut cfg.mode {
-        l.approval = match autonomy {
-            Autonomy::AskAlways => ApprovalGate::EveryCall,
-            Autonomy::AskIrreversible => ApprovalGate::Irreversible,
-            // Calls still pass the hook (recorded as approved) so the session shows the gate.
-            Autonomy::Never => ApprovalGate::Irreversible,
-        };
-    }
+/// A fork's configuration: the original's recorded one, with the Run tab's approval gate
+/// (who is asked is the person at the TUI, not the original's headless policy).
+fn fork_config(original: &crate::session::SessionHeader, tab: &EpisodeConfig) -> EpisodeConfig {
+    let gate = tab.mode.live().map(|l| l.approval).unwrap_or_default();
+    let mut config = recorded_config(original, tab).with_gate(gate);
+    config.approve = tab.approve;
+    config
 }
 
 async fn run_request(
@@ -659,9 +669,8 @@ async fn run_request(
     cancel: CancelToken,
 ) -> Result<f64, String> {
     let e = |e: RunError| e.to_string();
-    let mut cfg = engine_config(&req.opts, profile).map_err(e)?;
-    gate(&mut cfg, req.autonomy);
-    let seed = req.opts.seed;
+    let policy = Policy { model, profile };
+    let config = &req.config;
     match &req.env {
         RunEnv::Domain(name) => {
             let domain = Domain::from_name(name).map_err(|e| e.to_string())?;
@@ -687,24 +696,20 @@ async fn run_request(
                 }
                 (None, None) => return Err("choose a task or type an instruction".into()),
             };
-            let mut writer = SessionWriter::create(
-                &req.session,
-                &header(model, domain.name(), task_id.clone(), &cfg, seed),
-            )
-            .map_err(|e| e.to_string())?;
-            let o = run_episode(
-                model,
-                spec,
-                cfg,
-                EpisodeEnv::Domain(&mut env),
-                task_id,
+            let head = header(policy, domain.name(), task_id.clone(), config)
+                .map_err(|e| e.to_string())?;
+            let mut writer =
+                SessionWriter::create(&req.session, &head).map_err(|e| e.to_string())?;
+            let io = EpisodeIo {
+                env: EpisodeEnv::Domain(&mut env),
+                sink: &mut writer,
                 approver,
-                &mut writer,
-                Some(ui),
+                ui: Some(ui),
                 cancel,
-            )
-            .await
-            .map_err(e)?;
+            };
+            let o = launch(policy, Episode::new(spec, task_id), config, io)
+                .await
+                .map_err(e)?;
             Ok(o.reward())
         }
         RunEnv::Mcp(_) => {
@@ -720,22 +725,19 @@ async fn run_request(
                 tools,
                 examples: Vec::new(),
             };
+            let head = header(policy, &name, None, config).map_err(|e| e.to_string())?;
             let mut writer =
-                SessionWriter::create(&req.session, &header(model, &name, None, &cfg, seed))
-                    .map_err(|e| e.to_string())?;
-            let o = run_episode(
-                model,
-                spec,
-                cfg,
-                EpisodeEnv::External(&mut env),
-                None,
+                SessionWriter::create(&req.session, &head).map_err(|e| e.to_string())?;
+            let io = EpisodeIo {
+                env: EpisodeEnv::External(&mut env),
+                sink: &mut writer,
                 approver,
-                &mut writer,
-                Some(ui),
+                ui: Some(ui),
                 cancel,
-            )
-            .await
-            .map_err(e);
+            };
+            let o = launch(policy, Episode::new(spec, None), config, io)
+                .await
+                .map_err(e);
             let _ = env.close().await;
             Ok(o?.reward())
         }

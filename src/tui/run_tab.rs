@@ -10,8 +10,8 @@ use super::episode::EpisodeView;
 use super::form::{Field, Form};
 use super::keymap::Action;
 use crate::engine::driver::{ApprovalPolicy, DriverEvent};
-use crate::engine::runner::{ModeChoice, RunOptions};
-use crate::engine::types::{RehearsalStrategy, RehearsalTrigger};
+use crate::engine::episode::{EpisodeConfig, ModeChoice, parse_value};
+use crate::engine::types::{ApprovalGate, PrivateRehearsal};
 use crate::env::ToolSpec;
 use crate::env::domains::Domain;
 use crate::env::tasks::{Split, list_tasks};
@@ -45,7 +45,7 @@ pub struct RunRequest {
     pub task_id: Option<String>,
     /// A typed instruction (replaces the task's user turn; the episode is then unscored).
     pub instruction: Option<String>,
-    pub opts: RunOptions,
+    pub config: EpisodeConfig,
     pub autonomy: Autonomy,
     pub session: PathBuf,
 }
@@ -141,7 +141,7 @@ impl RunTab {
             Field::choice("mode", "mode", &["shadow", "real", "rehearse"], 0),
             Field::number("n", "rehearsals N", 2.0, (1.0, 0.0, 16.0), 0),
             Field::choice("strategy", "strategy", &["parallel", "sequential"], 0),
-            Field::choice("trigger", "rehearse on", &["irreversible", "every call"], 0),
+            Field::choice("trigger", "rehearse on", &["irreversible", "every"], 0),
             Field::choice("autonomy", "approval", &AUTONOMY, 0),
             Field::number("seed", "seed", 0.0, (1.0, 0.0, 1e9), 0),
             Field::number("turns", "max turns", 8.0, (1.0, 1.0, 64.0), 0),
@@ -174,42 +174,51 @@ impl RunTab {
         }
     }
 
-    /// The run options the form describes.
-    pub fn options(&self) -> RunOptions {
-        RunOptions {
-            mode: match self.form.choice("mode").as_str() {
-                "real" => ModeChoice::Real,
-                "rehearse" => ModeChoice::Rehearse,
-                _ => ModeChoice::Shadow,
-            },
-            rehearsals: self.form.number("n") as usize,
-            rehearsal_mode: if self.form.choice("strategy") == "sequential" {
-                RehearsalStrategy::Sequential
-            } else {
-                RehearsalStrategy::Parallel
-            },
-            rehearse_on: if self.form.choice("trigger") == "every call" {
-                RehearsalTrigger::EveryCall
-            } else {
-                RehearsalTrigger::Irreversible
-            },
+    /// The episode configuration the form describes. The choices are the command line's value
+    /// names and parse with the same rule (`envace run --mode … --rehearsal-mode … --rehearse-on
+    /// …`); what does not parse or validate is an error, never a default.
+    pub fn config(&self) -> Result<EpisodeConfig, String> {
+        let e = |e: crate::engine::episode::ConfigError| e.to_string();
+        let mode: ModeChoice = parse_value("mode", &self.form.choice("mode")).map_err(e)?;
+        let n = self.form.number("n") as usize;
+        let rehearsal = if n == 0 {
+            None
+        } else {
+            Some(PrivateRehearsal {
+                branches: n,
+                strategy: parse_value("strategy", &self.form.choice("strategy")).map_err(e)?,
+                trigger: parse_value("rehearse on", &self.form.choice("trigger")).map_err(e)?,
+                ..PrivateRehearsal::default()
+            })
+        };
+        let gate = match self.autonomy() {
+            Autonomy::AskAlways => ApprovalGate::EveryCall,
+            // "never ask": calls still pass the hook (recorded as approved) so the session
+            // shows the gate.
+            Autonomy::AskIrreversible | Autonomy::Never => ApprovalGate::Irreversible,
+        };
+        let config = EpisodeConfig {
             approve: ApprovalPolicy::Always,
             seed: self.form.number("seed") as u64,
             max_turns: self.form.number("turns") as u32,
-            temperature: 0.0,
-            rehearsal: Default::default(),
+            ..EpisodeConfig::new(mode)
         }
+        .with_gate(gate)
+        .with_rehearsal(rehearsal)
+        .map_err(|err| match err {
+            crate::engine::episode::ConfigError::RehearsalWithoutEnvironment => {
+                "Private Rehearsal needs a real environment: set N to 0 for rehearse mode, or use shadow/real"
+                    .to_string()
+            }
+            other => other.to_string(),
+        })?;
+        config.validate().map_err(e)?;
+        Ok(config)
     }
 
     /// Build the run request, or say what is missing.
     pub fn request(&self, sessions_dir: &Path) -> Result<RunRequest, String> {
-        let opts = self.options();
-        if opts.mode == ModeChoice::Rehearse && opts.rehearsals > 0 {
-            return Err(
-                "Private Rehearsal needs a real environment: set N to 0 for rehearse mode, or use shadow/real"
-                    .into(),
-            );
-        }
+        let config = self.config()?;
         let env_name = self.form.choice("env");
         let instruction = (!self.instruction.trim().is_empty()).then(|| self.instruction.clone());
         let (env, task_id) = if env_name == "mcp" {
@@ -233,13 +242,13 @@ impl RunTab {
             } else {
                 task_id.as_deref()
             },
-            opts.seed,
+            config.seed,
         );
         Ok(RunRequest {
             env,
             task_id,
             instruction,
-            opts,
+            config,
             autonomy: self.autonomy(),
             session: sessions_dir.join(file),
         })

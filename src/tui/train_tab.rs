@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use super::form::{Field, Form};
 use super::keymap::Action;
-use crate::engine::runner::ModeChoice;
+use crate::engine::episode::{ModeChoice, parse_value};
 use crate::engine::types::GenRole;
 use crate::train::grpo::GrpoConfig;
 use crate::train::metrics::StepMetrics;
@@ -111,20 +111,18 @@ impl TrainTab {
         PathBuf::from(self.form.text("out"))
     }
 
-    /// The configuration the form describes.
-    pub fn config(&self) -> GrpoConfig {
-        GrpoConfig {
+    /// The configuration the form describes; a choice that does not parse is an error, never a
+    /// default.
+    pub fn config(&self) -> Result<GrpoConfig, String> {
+        Ok(GrpoConfig {
             domains: self
                 .form
                 .choice("env")
                 .split(',')
                 .map(str::to_string)
                 .collect(),
-            mode: match self.form.choice("mode").as_str() {
-                "shadow" => ModeChoice::Shadow,
-                "real" => ModeChoice::Real,
-                _ => ModeChoice::Rehearse,
-            },
+            mode: parse_value::<ModeChoice>("mode", &self.form.choice("mode"))
+                .map_err(|e| e.to_string())?,
             steps: self.form.number("steps") as usize,
             batch: self.form.number("batch") as usize,
             group: self.form.number("group") as usize,
@@ -134,13 +132,18 @@ impl TrainTab {
             roles: match self.form.choice("roles").as_str() {
                 "actor" => vec![GenRole::Actor],
                 "simulator" => vec![GenRole::Simulator],
-                _ => vec![GenRole::Actor, GenRole::Simulator],
+                "actor,simulator" => vec![GenRole::Actor, GenRole::Simulator],
+                other => {
+                    return Err(format!(
+                        "roles: unknown value `{other}` (actor,simulator, actor, simulator)"
+                    ));
+                }
             },
             kl_coef: self.form.number("kl"),
             seed: self.form.number("seed") as u64,
             checkpoint_every: self.form.number("every") as usize,
             ..GrpoConfig::default()
-        }
+        })
     }
 
     /// A request to start (or resume from the selected checkpoint).
@@ -159,10 +162,15 @@ impl TrainTab {
         };
         Ok(TrainRequest {
             model: model.to_path_buf(),
-            lora: self.form.choice("lora").parse().unwrap_or(0),
+            lora: match self.form.choice("lora").as_str() {
+                "full" => 0,
+                r => r
+                    .parse()
+                    .map_err(|_| format!("lora: `{r}` is not a rank (full or a number)"))?,
+            },
             resume,
             out,
-            cfg: self.config(),
+            cfg: self.config()?,
         })
     }
 
@@ -264,7 +272,7 @@ mod tests {
         let mut t = TrainTab::new(Path::new("runs"));
         t.form.cursor = 2;
         t.form.nudge(1);
-        let c = t.config();
+        let c = t.config().unwrap();
         assert_eq!(c.steps, 21);
         assert_eq!(c.domains, vec!["bank"]);
         assert_eq!(c.mode, ModeChoice::Rehearse);
@@ -273,7 +281,7 @@ mod tests {
         // The roles field trains one role only when asked.
         t.form.cursor = t.form.fields.iter().position(|f| f.key == "roles").unwrap();
         t.form.nudge(1);
-        assert_eq!(t.config().roles, vec![GenRole::Actor]);
+        assert_eq!(t.config().unwrap().roles, vec![GenRole::Actor]);
         assert!(t.request(Path::new("m"), true).is_err());
         let r = t.request(Path::new("m"), false).unwrap();
         assert_eq!(r.out, PathBuf::from("runs/grpo"));

@@ -238,7 +238,8 @@ fn header(cfg: &EngineConfig) -> SessionHeader {
         "bank",
         Some("pay5".into()),
         1,
-        cfg,
+        cfg.mode.name(),
+        serde_json::to_value(cfg).expect("config"),
     )
 }
 

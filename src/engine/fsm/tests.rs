@@ -170,7 +170,8 @@ impl Run {
             "test",
             None,
             0,
-            &EngineConfig::default(),
+            "real",
+            serde_json::to_value(EngineConfig::default()).expect("config"),
         );
         let mut text = serde_json::to_string(&header).expect("header");
         text.push('\n');
