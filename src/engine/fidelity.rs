@@ -9,16 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// Fidelity of one prediction against the real response.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Fidelity {
-    /// Identical JSON (numbers compared by value: `1` equals `1.0`).
-    pub exact: bool,
-    /// F1 between the sets of leaf paths (`a.b`, `items.0.id`).
-    pub key_f1: f64,
-    /// Fraction of the real response's leaf paths whose predicted value is equal.
-    pub value_agreement: f64,
-}
+pub use crate::session::format::Fidelity;
 
 /// Compare a predicted response with the real one. `None` predicted (the simulator output did
 /// not parse) scores zero on every measure.

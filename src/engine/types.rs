@@ -6,18 +6,13 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::parse::{SimFormatError, SimOutput};
 use crate::env::ToolSpec;
-use crate::message::ToolCall;
 use crate::runtime::SamplingParams;
 
-/// Which role a generation plays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GenRole {
-    Actor,
-    Simulator,
-}
+pub use crate::session::format::{
+    BranchEnd, BranchStep, BranchSummary, Decision, EndReason, GenRole, Prediction, RehearsalDepth,
+    RehearsalStrategy, RehearsalTrigger, ScoredBy, SimulatedOutcome,
+};
 
 /// A recorded `(name, arguments, response)` example shown to the simulator (few-shot).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -139,35 +134,6 @@ impl Default for PrivateRehearsal {
             explore_temperature: None,
         }
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum RehearsalStrategy {
-    /// Independent branches (first steps sampled as one batch).
-    Parallel,
-    /// Each branch sees the memory of the earlier ones.
-    Sequential,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum RehearsalTrigger {
-    /// Before turns that contain an irreversible call.
-    Irreversible,
-    /// Before every turn with calls.
-    #[value(name = "every", alias = "every-call")]
-    EveryCall,
-}
-
-/// How far a branch runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", content = "turns", rename_all = "snake_case")]
-pub enum RehearsalDepth {
-    /// At most this many imagined actor turns (≥ 1).
-    Turns(u32),
-    /// Until the imagined episode ends (bounded by the turn limit).
-    ToEnd,
 }
 
 /// How a rehearsal memory is written.
@@ -365,48 +331,6 @@ impl EngineConfig {
     }
 }
 
-/// A human (or policy) answer to an approval request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "decision", rename_all = "snake_case")]
-pub enum Decision {
-    Approve,
-    /// Run the call with these arguments instead.
-    ApproveEdited {
-        arguments: Value,
-    },
-    /// Do not run it; the actor is told why and continues.
-    Reject {
-        reason: String,
-    },
-    /// Stop the episode.
-    Terminate,
-}
-
-/// Why an episode ended.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "reason", rename_all = "snake_case")]
-pub enum EndReason {
-    /// The actor gave its final answer to the last user turn.
-    Answered,
-    TurnLimit,
-    /// The actor tried to call tools but no call could be parsed.
-    ActorFormatError,
-    SimulatorFormatError {
-        error: SimFormatError,
-    },
-    SimulatorRejected {
-        code: String,
-        message: String,
-    },
-    /// The approval hook asked to stop.
-    Terminated,
-    Cancelled,
-    /// The model or the environment failed (not the agent's fault).
-    Failed {
-        message: String,
-    },
-}
-
 impl EndReason {
     pub fn is_normal(&self) -> bool {
         matches!(self, Self::Answered)
@@ -417,42 +341,6 @@ impl EndReason {
     }
 }
 
-/// Who produced the reward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ScoredBy {
-    /// The live environment (real and shadow modes).
-    Environment,
-    /// A fresh verifier copy that replayed the committed actions (rehearse mode).
-    Verifier,
-    /// Forced to zero by the simulator-failure policy, without scoring.
-    ForcedZero,
-}
-
-/// What a rehearsal branch predicts about the real outcome.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "prediction", rename_all = "snake_case")]
-pub enum Prediction {
-    Success,
-    Failure { reason: String },
-    Unknown,
-}
-
-/// One imagined call and its simulated outcome.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BranchStep {
-    pub call: ToolCall,
-    pub outcome: SimulatedOutcome,
-}
-
-/// A simulator answer or why there was none.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "status", rename_all = "snake_case")]
-pub enum SimulatedOutcome {
-    Parsed { output: SimOutput },
-    Unparseable { error: SimFormatError },
-}
-
 impl SimulatedOutcome {
     /// The parsed JSON (a rejection in its `error_tool_call` form), if any.
     pub fn value(&self) -> Option<Value> {
@@ -461,25 +349,4 @@ impl SimulatedOutcome {
             Self::Unparseable { .. } => None,
         }
     }
-}
-
-/// How an imagined branch ended.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "end", rename_all = "snake_case")]
-pub enum BranchEnd {
-    Answered { text: String },
-    DepthReached,
-    TurnLimit,
-    Rejected { code: String, message: String },
-    SimulatorFormatError,
-    ActorFormatError,
-}
-
-/// A condensed rehearsal branch, as the memory and the session show it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BranchSummary {
-    pub index: usize,
-    pub steps: Vec<BranchStep>,
-    pub end: BranchEnd,
-    pub prediction: Prediction,
 }

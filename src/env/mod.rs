@@ -9,6 +9,8 @@ use serde_json::Value;
 
 use crate::message::ToolCall;
 
+pub use crate::session::format::{ChecklistItem, ToolAnnotations, ToolResponse, ToolSpec};
+
 pub mod bfcl;
 pub mod cli;
 pub mod domain_env;
@@ -22,31 +24,6 @@ pub mod tasks;
 pub use domain_env::DomainEnv;
 pub use domains::Domain;
 pub use tasks::{GoldTurnTrace, Split, Task};
-
-/// MCP-style behaviour hints of a tool.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ToolAnnotations {
-    #[serde(default)]
-    pub read_only: bool,
-    #[serde(default)]
-    pub destructive: bool,
-    #[serde(default)]
-    pub idempotent: bool,
-    #[serde(default)]
-    pub open_world: bool,
-}
-
-/// A tool as the agent sees it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ToolSpec {
-    pub name: String,
-    #[serde(default)]
-    pub description: String,
-    /// JSON Schema of the arguments object.
-    pub input_schema: Value,
-    #[serde(default)]
-    pub annotations: ToolAnnotations,
-}
 
 impl ToolSpec {
     /// Irreversible = destructive and not read-only: these pass the approval gate and trigger
@@ -66,20 +43,6 @@ impl ToolSpec {
             }
         })
     }
-}
-
-/// What a tool call returned, as the agent will read it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum ToolResponse {
-    Success {
-        value: Value,
-    },
-    /// A structured error the agent can read (unknown id, bad argument, policy refusal...).
-    Error {
-        code: String,
-        message: String,
-    },
 }
 
 impl ToolResponse {
@@ -111,15 +74,6 @@ pub struct EpisodeTrace {
     /// only asks for in a later turn does not count as right when taken early.
     #[serde(default)]
     pub turn_ends: Vec<usize>,
-}
-
-/// One checklist item of a score.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChecklistItem {
-    pub name: String,
-    pub weight: f64,
-    pub passed: bool,
-    pub reason: String,
 }
 
 /// A finished episode's score: `reward` in [0,1] is task success (τ²-style, all-or-nothing);

@@ -2,12 +2,12 @@
 //! from `spawn_blocking`. Every generation reports prompt ids, response ids and per-token
 //! logprobs, which RL needs to avoid re-tokenisation drift.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use serde::{Deserialize, Serialize};
 
 use crate::message::Message;
+
+pub use crate::cancel::CancelToken;
+pub use crate::session::format::FinishReason;
 
 /// Errors of the runtime; each names the file and field where one is involved.
 #[derive(Debug, thiserror::Error)]
@@ -69,16 +69,6 @@ impl Default for SamplingParams {
     }
 }
 
-/// Why a generation ended.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "reason", content = "detail", rename_all = "snake_case")]
-pub enum FinishReason {
-    Eos,
-    Stop(String),
-    Length,
-    Cancelled,
-}
-
 /// One finished continuation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
@@ -103,25 +93,6 @@ pub struct ModelInfo {
     /// How tools, calls and results reach the model: through its own template, or rendered into
     /// the system message in a format it was tuned on (its template has no tools section).
     pub tool_rendering: crate::runtime::tool_format::ToolRendering,
-}
-
-/// Shared cancellation flag (Ctrl-C in the TUI).
-#[derive(Debug, Clone, Default)]
-pub struct CancelToken(Arc<AtomicBool>);
-
-impl CancelToken {
-    pub fn new() -> Self {
-        Self::default()
-    }
-    pub fn cancel(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-    pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
-    }
-    pub fn reset(&self) {
-        self.0.store(false, Ordering::SeqCst);
-    }
 }
 
 /// Receives decoded text as it is produced: `(branch index, new text)`; never splits a UTF-8

@@ -10,11 +10,10 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use super::SessionError;
+use super::format::{ActorAction, GenRole};
 use super::reader::{Session, read_session};
 use super::schema::{EventBody, GenerationRecord};
 use super::tree::SessionTree;
-use crate::engine::parse::ActorAction;
-use crate::engine::types::GenRole;
 use crate::message::{Message, Role};
 
 /// What `export_openai` writes.

@@ -5,10 +5,14 @@
 //! For a sessions browser: one-line summaries streamed from large files ([`index`]) and
 //! progressive loading with progress and cancellation ([`read_session_with_progress`]).
 //!
-//! This module does no scoring and runs no model; it depends only on the engine's plain data
-//! types (parse results, fidelity, end reasons), never on the FSM or the driver.
+//! This module does no scoring and runs no model. It is the leaf of the dependency graph: it
+//! owns the file format, including every plain data type a line holds ([`format`]), and
+//! depends on nothing in the crate but `message` (and the runtime's cancel token for
+//! progressive reading). The engine, the environments and the trainer depend on it, never the
+//! other way round.
 
 pub mod export;
+pub mod format;
 pub mod index;
 pub mod reader;
 pub mod rows;
@@ -35,7 +39,7 @@ pub use schema::{
     EventBody, EventRecord, FORMAT_VERSION, ForkOrigin, GenerationRecord, ModelRef, NewEvent,
     SESSION_FORMAT, SessionHeader,
 };
-pub use tree::{BranchRef, BranchView, SessionTree};
+pub use tree::{BranchRef, BranchTracker, BranchView, SessionTree};
 pub use writer::{EventSink, MemorySink, SessionWriter};
 
 /// Errors reading or writing sessions; each names the file and, where it applies, the line.

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::SessionError;
 use super::schema::{EventRecord, FORMAT_VERSION, SESSION_FORMAT, SessionHeader};
-use crate::runtime::CancelToken;
+use crate::cancel::CancelToken;
 
 /// Something odd but recoverable found while reading.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

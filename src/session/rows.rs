@@ -5,8 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::format::GenRole;
 use super::schema::{EventBody, EventRecord};
-use crate::engine::types::GenRole;
 
 /// One generation as a training row.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -10,20 +10,22 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::engine::fidelity::Fidelity;
-use crate::engine::parse::{ActorTurn, FormatEvent};
-use crate::engine::types::{
-    BranchSummary, Decision, EndReason, GenRole, RehearsalDepth, RehearsalStrategy,
-    RehearsalTrigger, ScoredBy, SimulatedOutcome,
+use super::format::{
+    ActorTurn, BranchSummary, ChecklistItem, Decision, EndReason, Fidelity, FinishReason,
+    FormatEvent, GenRole, RehearsalDepth, RehearsalStrategy, RehearsalTrigger, ScoredBy,
+    SimulatedOutcome, ToolResponse, ToolSpec,
 };
-use crate::env::{ChecklistItem, ToolResponse, ToolSpec};
 use crate::message::{Message, ToolCall};
-use crate::runtime::FinishReason;
 
 /// Value of the header's `format` field.
 pub const SESSION_FORMAT: &str = "envace-session";
 /// Current format version; readers accept this and older.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// History: **2** (2026-12-04): the header's `episode` (the episode configuration as chosen)
+/// and the `scoring_failed` event. **1**: the first format. Version-1 files read unchanged
+/// (the additions are optional); the golden file `tests/fixtures/sessions/format-v2.jsonl`
+/// pins this version, and a real version-1 file is read beside it (`tests/session_format.rs`).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The model a session was recorded with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -30,29 +30,53 @@ pub struct SessionTree {
     pub branch_of: Vec<Option<BranchRef>>,
 }
 
+/// The branch rule, in one place: an event belongs to the rehearsal branch its parent belongs
+/// to; a `branch_start` opens branch `index` of the event it hangs off (its `rehearsal_start`).
+/// Events arrive one at a time in file order ([`SessionTree::build`] over a whole file, the
+/// TUI's live episode view as the driver streams them).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BranchTracker {
+    /// event id → (position in the file, branch).
+    seen: HashMap<String, (usize, Option<BranchRef>)>,
+    next: usize,
+}
+
+impl BranchTracker {
+    /// Classify the next event: its parent's position (when the parent is known) and its branch.
+    pub fn push(&mut self, e: &EventRecord) -> (Option<usize>, Option<BranchRef>) {
+        let parent = e.parent.as_deref().and_then(|p| self.seen.get(p).copied());
+        let branch = match (&e.event, parent) {
+            (EventBody::BranchStart { index }, Some((p, _))) => Some(BranchRef {
+                rehearsal: p,
+                index: *index,
+            }),
+            _ => parent.and_then(|(_, b)| b),
+        };
+        self.seen.insert(e.id.clone(), (self.next, branch));
+        self.next += 1;
+        (parent.map(|(p, _)| p), branch)
+    }
+
+    /// The branch of an event already pushed.
+    pub fn branch(&self, id: &str) -> Option<BranchRef> {
+        self.seen.get(id).and_then(|(_, b)| *b)
+    }
+}
+
 impl SessionTree {
     /// Build from events whose parents precede them (as the reader validates).
     pub fn build(events: &[EventRecord]) -> Self {
-        let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut tracker = BranchTracker::default();
         let mut children = vec![Vec::new(); events.len()];
         let mut roots = Vec::new();
         let mut branch_of: Vec<Option<BranchRef>> = Vec::with_capacity(events.len());
         for (i, e) in events.iter().enumerate() {
-            let parent = e.parent.as_deref().and_then(|p| index.get(p).copied());
+            let (parent, branch) = tracker.push(e);
             match parent {
                 Some(p) => children[p].push(i),
                 None => roots.push(i),
             }
-            let inherited = parent.and_then(|p| branch_of[p]);
-            let own = match (&e.event, parent) {
-                (EventBody::BranchStart { index }, Some(p)) => Some(BranchRef {
-                    rehearsal: p,
-                    index: *index,
-                }),
-                _ => inherited,
-            };
-            branch_of.push(own);
-            index.insert(e.id.as_str(), i);
+            branch_of.push(branch);
         }
         Self {
             children,

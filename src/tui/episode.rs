@@ -12,7 +12,7 @@ use crate::engine::types::{
 };
 use crate::env::ToolResponse;
 use crate::message::ToolCall;
-use crate::session::{EventBody, EventRecord};
+use crate::session::{BranchTracker, EventBody, EventRecord};
 
 /// One main-line actor turn.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,10 +140,10 @@ pub struct EpisodeView {
     pub end: Option<EndReason>,
     irreversible_tools: Vec<String>,
     last_actor_raw: Option<String>,
-    /// event id → (rehearsal index, branch index) for events inside a rehearsal branch.
-    branch_of: HashMap<String, (usize, usize)>,
-    /// event id → rehearsal index, for `rehearsal_start` events.
-    rehearsal_of: HashMap<String, usize>,
+    /// Which rehearsal branch each event belongs to (the session tree's rule).
+    branches: BranchTracker,
+    /// event position → rehearsal index, for `rehearsal_start` events.
+    rehearsal_at: HashMap<usize, usize>,
 }
 
 impl EpisodeView {
@@ -187,20 +187,13 @@ impl EpisodeView {
 
     /// Apply one persisted event.
     pub fn apply(&mut self, e: &EventRecord) {
+        let position = self.events;
         self.events += 1;
-        let parent_branch = e
-            .parent
-            .as_deref()
-            .and_then(|p| self.branch_of.get(p).copied());
-        let branch = match (&e.event, e.parent.as_deref()) {
-            (EventBody::BranchStart { index }, Some(p)) => {
-                self.rehearsal_of.get(p).map(|r| (*r, *index))
-            }
-            _ => parent_branch,
-        };
-        if let Some(b) = branch {
-            self.branch_of.insert(e.id.clone(), b);
-        }
+        let branch = self
+            .branches
+            .push(e)
+            .1
+            .and_then(|b| Some((*self.rehearsal_at.get(&b.rehearsal)?, b.index)));
         match &e.event {
             EventBody::EpisodeStart {
                 task_id,
@@ -313,8 +306,7 @@ impl EpisodeView {
                 proposed,
                 ..
             } => {
-                self.rehearsal_of
-                    .insert(e.id.clone(), self.rehearsals.len());
+                self.rehearsal_at.insert(position, self.rehearsals.len());
                 self.rehearsals.push(RehearsalEntry {
                     event_id: e.id.clone(),
                     strategy: *strategy,
@@ -386,7 +378,7 @@ impl EpisodeView {
 
     /// Whether `event_id` lies inside a rehearsal branch.
     pub fn in_branch(&self, event_id: &str) -> bool {
-        self.branch_of.contains_key(event_id)
+        self.branches.branch(event_id).is_some()
     }
 }
 

@@ -7,96 +7,19 @@
 //! and every failure is returned as an [`ActorFormatEvent`]. It never panics and never guesses
 //! silently.
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::json::{self, Repair};
 use super::split_think;
 use crate::message::ToolCall;
 
+pub use crate::session::format::{ActorAction, ActorFormatEvent, ActorTurn};
+
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 /// Leaked-JSON scanning stops after this many candidate objects (keeps adversarial inputs linear
 /// enough for fuzzing).
 const MAX_LEAK_CANDIDATES: usize = 64;
-
-/// What the actor decided this turn.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum ActorAction {
-    /// One or more calls (never empty: the parser only builds this with at least one call).
-    Calls { calls: Vec<ToolCall> },
-    /// A plain answer that ends the turn; the text is [`ActorTurn::content`].
-    Answer,
-    /// The output tried to call tools but no call could be recovered.
-    Malformed,
-}
-
-/// A repair or failure found while parsing actor output. `block` is the 0-based index of the
-/// `<tool_call>` block (or leaked JSON object) concerned.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum ActorFormatEvent {
-    /// `<think>` never closed; thinking was ended at the first `<tool_call>` or at the end.
-    UnclosedThink,
-    /// A `<tool_call>` block without `</tool_call>`; it was ended at the next block or the end.
-    MissingClosingTag {
-        block: usize,
-    },
-    /// `</tool_call>` without a matching opening tag (removed).
-    StrayClosingTag,
-    /// The JSON inside a block was wrapped in a Markdown code fence.
-    CodeFence {
-        block: usize,
-    },
-    /// Text inside a block around the JSON object (ignored).
-    TextInBlock {
-        block: usize,
-        text: String,
-    },
-    /// Prose after the last tool call (ignored: not part of the assistant message).
-    TrailingProse {
-        text: String,
-    },
-    SingleQuotes {
-        block: usize,
-    },
-    PythonLiterals {
-        block: usize,
-    },
-    TrailingComma {
-        block: usize,
-    },
-    /// `arguments` was a string holding JSON; it was decoded.
-    ArgumentsAsString {
-        block: usize,
-    },
-    /// Arguments were found under another key (`parameters`), or nested OpenAI style.
-    ArgumentsKeyAlias {
-        block: usize,
-        key: String,
-    },
-    /// No `arguments` at all: `{}` was used.
-    MissingArguments {
-        block: usize,
-    },
-    /// A block held a JSON array of calls.
-    CallArray {
-        block: usize,
-    },
-    /// A call found as bare JSON in plain text, without `<tool_call>` tags.
-    UntaggedToolCall {
-        block: usize,
-    },
-    /// A block from which no call could be recovered.
-    UnparseableToolCall {
-        block: usize,
-        reason: String,
-        raw: String,
-    },
-    /// Nothing but whitespace (or only thinking) was produced.
-    EmptyOutput,
-}
 
 impl ActorFormatEvent {
     /// Failures lose content; everything else is a repair that kept it.
@@ -106,16 +29,6 @@ impl ActorFormatEvent {
             Self::UnparseableToolCall { .. } | Self::EmptyOutput | Self::UnclosedThink
         )
     }
-}
-
-/// A parsed actor generation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ActorTurn {
-    pub think: Option<String>,
-    /// Text of the assistant message: the answer, or the prose before the calls.
-    pub content: String,
-    pub action: ActorAction,
-    pub events: Vec<ActorFormatEvent>,
 }
 
 impl ActorTurn {

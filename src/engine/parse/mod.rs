@@ -11,17 +11,9 @@ pub mod simulator;
 pub(crate) mod randomized;
 
 pub use actor::{ActorAction, ActorFormatEvent, ActorTurn, parse_actor};
-pub use simulator::{SimFormatError, SimOutput, SimTurn, parse_simulator};
+pub use simulator::{SimFormatError, SimOutput, SimTurn, execution_result, parse_simulator};
 
-use serde::{Deserialize, Serialize};
-
-/// A format event of either role, as sessions record it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "role", rename_all = "snake_case")]
-pub enum FormatEvent {
-    Actor(ActorFormatEvent),
-    Simulator(SimFormatError),
-}
+pub use crate::session::format::FormatEvent;
 
 impl FormatEvent {
     pub fn is_failure(&self) -> bool {

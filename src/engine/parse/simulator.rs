@@ -10,19 +10,17 @@ use serde_json::Value;
 
 use super::split_think;
 
+pub use crate::session::format::{SimFormatError, SimOutput};
+
 const OPEN: &str = "<execution_result>";
 const CLOSE: &str = "</execution_result>";
 /// Key of a rejection object.
 pub const REJECTION_KEY: &str = "error_tool_call";
 
-/// What the simulator answered.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum SimOutput {
-    /// The simulated tool response (a non-empty object or array).
-    Result { value: Value },
-    /// The simulator refused the call (bad format, unknown tool, schema violation).
-    Rejected { code: String, message: String },
+/// The simulator's answer format, written: `<execution_result>{result}</execution_result>`. The
+/// one writer of the format this module parses (few-shot examples, training targets).
+pub fn execution_result(result: &impl std::fmt::Display) -> String {
+    format!("{OPEN}{result}{CLOSE}")
 }
 
 impl SimOutput {
@@ -42,30 +40,6 @@ impl SimOutput {
 pub struct SimTurn {
     pub think: Option<String>,
     pub output: SimOutput,
-}
-
-/// Why a simulator output was not accepted.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum SimFormatError {
-    #[error("`<think>` is never closed")]
-    UnclosedThink,
-    #[error("no `<execution_result>` block")]
-    MissingResult,
-    #[error("`<execution_result>` is never closed")]
-    UnclosedResult,
-    #[error("more than one `<execution_result>` block")]
-    MultipleResults,
-    #[error("text outside the result block: {text:?}")]
-    TextOutsideResult { text: String },
-    #[error("result is not valid JSON: {reason}")]
-    InvalidJson { reason: String },
-    #[error("result is not a JSON object or array")]
-    NotObjectOrArray,
-    #[error("result is an empty object or array")]
-    EmptyResult,
-    #[error("malformed `error_tool_call`: {reason}")]
-    MalformedRejection { reason: String },
 }
 
 /// Parse one simulator generation strictly.

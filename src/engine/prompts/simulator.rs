@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
+use crate::engine::parse::execution_result;
 use crate::engine::types::{RecordedExample, SimPromptConfig};
 use crate::env::ToolSpec;
 use crate::message::{Message, Role, ToolCall};
@@ -131,9 +132,9 @@ pub fn simulator_prompt(input: &SimulatorPromptInput<'_>, cfg: &SimPromptConfig)
             };
             let _ = writeln!(
                 u,
-                "call: {}\n<execution_result>{}</execution_result>",
+                "call: {}\n{}",
                 cut(&format_call(&call), max),
-                cut(&e.response.to_string(), max)
+                execution_result(&cut(&e.response.to_string(), max))
             );
         }
     }
