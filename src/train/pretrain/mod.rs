@@ -34,7 +34,6 @@ use crate::train::lora::LoraConfig;
 
 pub(super) mod corpus;
 
-pub(crate) use corpus::randomize_pool_words;
 use corpus::text::END;
 pub use corpus::{
     COPY_SYSTEM, CorpusConfig, CorpusTemplate, Segmented, actor_text, actor_text_last, corpus,

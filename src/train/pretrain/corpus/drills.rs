@@ -10,11 +10,11 @@ use crate::engine::prompts::actor::tools_json;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::env::domains::sample_entities;
 use crate::env::tasks::Split;
+use crate::env::tasks::randomize::random_word_styled;
 use crate::message::Message;
 use crate::runtime::chat_template::ChatTemplate;
 use crate::train::TrainError;
 
-use super::entities::random_word_styled;
 use super::text::{Segmented, actor_text, actor_text_last, simulator_text};
 
 /// The actor text of tool drill `seed` and, with `with_sim`, the simulator text of its first

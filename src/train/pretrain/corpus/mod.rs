@@ -3,7 +3,8 @@
 //! goes in). This module draws the tasks and decides, seeded, which texts each task yields;
 //! the texts come from its children: `text` (rendering with trained segments), `episodes` (a
 //! task's gold run: simulator pools, slipped calls, rehearsal-memory examples), `drills` (copy
-//! drills, tool drills), `entities` (random-entity copies) and [`tool_drill`] (made-up tools).
+//! drills, tool drills) and [`tool_drill`] (made-up tools); random-entity copies come from
+//! `env::tasks::randomize`, which GRPO's randomized tasks share.
 //!
 //! Corpora are reproducible: the same configuration gives the same texts, and a kind of text
 //! that is off must not change the random draws of the others (earlier corpora stay the ones
@@ -19,6 +20,7 @@ use crate::engine::prompts::actor::tools_json;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::engine::spec::gold_conversation;
 use crate::env::domains::Domain;
+use crate::env::tasks::randomize::with_random_entities;
 use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
 use crate::runtime::chat_template::{
     COMPACT_TOOLS_TEMPLATE, COMPACT_TOOLS_TEMPLATE_V2, ChatTemplate,
@@ -26,15 +28,12 @@ use crate::runtime::chat_template::{
 use crate::train::TrainError;
 
 mod drills;
-mod entities;
 mod episodes;
 pub(super) mod text;
 pub mod tool_drill;
 
 pub use drills::COPY_SYSTEM;
 use drills::{copy_drill, tool_drill_texts};
-pub(crate) use entities::randomize_pool_words;
-use entities::with_random_entities;
 use episodes::{SlipInput, memory_example, recorded_pool, slip_examples};
 use text::END;
 pub use text::{Segmented, actor_text, actor_text_last, simulator_text};
@@ -168,7 +167,9 @@ pub fn corpus(
             if cfg.random_entity_fraction > 0.0 && rng.random::<f64>() < cfg.random_entity_fraction
             {
                 let seed = rng.random::<u64>();
-                out.push(actor_text(&t, &with_random_entities(&msgs, seed)?, &tj)?);
+                let randomized = with_random_entities(&msgs, seed)
+                    .map_err(|e| TrainError::Data(e.to_string()))?;
+                out.push(actor_text(&t, &randomized, &tj)?);
             }
             let mut chosen: Vec<usize> = (0..calls.len()).collect();
             if cfg.sim_per_task > 0 {

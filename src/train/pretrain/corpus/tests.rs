@@ -3,10 +3,10 @@
 
 use serde_json::{Value, json};
 
-use super::entities::{find_word, is_word_char, replace_words};
 use super::episodes::corrupt_call;
 use super::*;
 use crate::engine::prompts::actor::MEMORY_HEADING;
+use crate::env::tasks::randomize::{find_word, is_word_char, replace_words};
 use crate::message::{Role, ToolCall};
 
 fn cfg(memory_fraction: f64) -> CorpusConfig {
