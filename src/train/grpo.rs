@@ -531,36 +531,8 @@ pub fn training_tasks(cfg: &GrpoConfig) -> Result<Vec<&'static Task>, TrainError
 /// by a random string wherever it occurs, seeded; validated like a task file, so a copy whose
 /// gold run no longer replays is refused rather than played.
 pub fn randomized_task(task: &Task, seed: u64) -> Result<Task, TrainError> {
-    let text = serde_json::to_string(task)
-        .map_err(|e| TrainError::Data(format!("task {}: {e}", task.id)))?;
-    let randomized = super::pretrain::randomize_pool_words(&text, seed);
-    if randomized == text {
-        // Only ids and amounts: nothing to randomize, the task plays as it is.
-        return Ok(task.clone());
-    }
-    let mut value: serde_json::Value = serde_json::from_str(&randomized)
-        .map_err(|e| TrainError::Data(format!("randomized task {}: {e}", task.id)))?;
-    value["id"] = serde_json::Value::from(format!("{}~r{:08x}", task.id, seed as u32));
-    let out = crate::env::tasks::validate_task(&value, 0).map_err(|(id, field, msg)| {
-        TrainError::Data(format!("randomized task {id}: field `{field}`: {msg}"))
-    })?;
-    let steps = out
-        .gold_steps()
-        .map_err(|e| TrainError::Data(format!("randomized task {}: {e}", out.id)))?;
-    let expected = out.turns.iter().flat_map(|t| t.actions.iter());
-    for ((call, resp), gold) in steps.iter().zip(expected) {
-        let got = match resp {
-            crate::env::ToolResponse::Error { code, .. } => Some(code.as_str()),
-            _ => None,
-        };
-        if got != gold.error.as_deref() {
-            return Err(TrainError::Data(format!(
-                "randomized task {}: gold call `{}` answered {got:?}, expected {:?}",
-                out.id, call.name, gold.error
-            )));
-        }
-    }
-    Ok(out)
+    crate::env::tasks::randomize::randomized_task(task, seed)
+        .map_err(|e| TrainError::Data(e.to_string()))
 }
 
 /// The task the `ti`-th group of step `step` plays: the train task itself, or with probability

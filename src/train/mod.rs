@@ -15,7 +15,9 @@ pub mod optim;
 pub mod pretrain;
 pub mod sft;
 pub mod tokenizer;
-pub mod tool_drill;
+
+/// Tool drills are part of the pretraining corpus; `train::tool_drill` stays their public path.
+pub use pretrain::corpus::tool_drill;
 
 /// Training failures.
 #[derive(Debug, thiserror::Error)]

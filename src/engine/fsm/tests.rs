@@ -9,7 +9,10 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 use super::*;
-use crate::engine::types::{LiveOptions, MemoryConfig};
+use crate::engine::types::{
+    ApprovalGate, BranchEnd, CommitRule, LiveOptions, MemoryConfig, Prediction, RehearsalStrategy,
+    RehearsalTrigger, SimFailurePolicy,
+};
 use crate::env::{ToolAnnotations, ToolSpec};
 use crate::runtime::FinishReason;
 use crate::session::{EventBody, SessionTree, parse_session};

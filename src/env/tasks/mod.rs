@@ -4,6 +4,8 @@
 //!
 //! A task file that does not validate is rejected with the file, the task id and the field; a
 //! built-in task is validated the same way by the tests, so the generator cannot drift.
+//!
+//! `randomize`: random-entity copies of a task or a conversation (GRPO, pretraining corpus).
 
 use std::path::Path;
 use std::sync::OnceLock;
@@ -14,6 +16,8 @@ use serde_json::Value;
 use crate::env::domains::Domain;
 use crate::env::{EnvError, ToolResponse};
 use crate::message::ToolCall;
+
+pub(crate) mod randomize;
 
 /// Number of built-in tasks per domain in each split.
 pub const TRAIN_TASKS: usize = 500;

@@ -233,7 +233,7 @@ const FIELDS: &[&str] = &[
 
 /// A random letter string (3–8 letters) outside the test pools: the copy drills' generator.
 fn word(rng: &mut StdRng, capital: bool) -> String {
-    super::pretrain::random_word_styled(rng, capital)
+    crate::env::tasks::randomize::random_word_styled(rng, capital)
 }
 
 /// A value for a key parameter.

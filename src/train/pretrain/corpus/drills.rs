@@ -1,0 +1,92 @@
+//! Drills: short synthetic conversations beside the gold runs. Copy drills echo a list of
+//! train-split entities (or random letter strings) exactly; tool drills act on made-up tools
+//! (see [`super::tool_drill`]). A random string is never a test-pool value.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::engine::profile::PromptProfile;
+use crate::engine::prompts::actor::tools_json;
+use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
+use crate::env::domains::sample_entities;
+use crate::env::tasks::Split;
+use crate::env::tasks::randomize::random_word_styled;
+use crate::message::Message;
+use crate::runtime::chat_template::ChatTemplate;
+use crate::train::TrainError;
+
+use super::text::{Segmented, actor_text, actor_text_last, simulator_text};
+
+/// The actor text of tool drill `seed` and, with `with_sim`, the simulator text of its first
+/// call (the response it got).
+pub(super) fn tool_drill_texts(
+    t: &ChatTemplate,
+    profile: &PromptProfile,
+    seed: u64,
+    with_sim: bool,
+    style: super::tool_drill::DrillStyle,
+) -> Result<Vec<Segmented>, TrainError> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let server = format!("mcp:{}", random_word_styled(&mut rng, false));
+    let d = super::tool_drill::tool_drill_styled(
+        seed,
+        &crate::engine::spec::mcp_system(&server),
+        style,
+    );
+    let mut out = vec![actor_text(t, &d.messages, &tools_json(&d.tools))?];
+    if let (true, Some((call, response))) = (with_sim, d.calls.first()) {
+        let at = d
+            .messages
+            .iter()
+            .position(|m| !m.tool_calls.is_empty())
+            .unwrap_or(d.messages.len() - 1);
+        let prompt = simulator_prompt(
+            &SimulatorPromptInput {
+                tools: &d.tools,
+                examples: &[],
+                conversation: &d.messages[..=at],
+                call,
+            },
+            &profile.sim_prompt,
+        );
+        out.push(simulator_text(t, &prompt, response)?);
+    }
+    Ok(out)
+}
+
+/// System prompt of the copy drills.
+pub const COPY_SYSTEM: &str = "Repeat the items exactly.";
+
+/// A copy drill: 4-10 entities of the split, echoed in order (see
+/// [`super::CorpusConfig::copy_per_task`]); each is replaced by a random letter string with
+/// probability `random_fraction` ([`super::CorpusConfig::random_copy_fraction`]).
+pub(super) fn copy_drill(
+    t: &ChatTemplate,
+    split: Split,
+    seed: u64,
+    random_fraction: f64,
+) -> Result<Segmented, TrainError> {
+    let n = 4 + (seed % 7) as usize;
+    let mut entities = sample_entities(split, seed, n);
+    if random_fraction > 0.0 {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x7261_6e64);
+        for e in &mut entities {
+            if rng.random::<f64>() < random_fraction {
+                *e = random_word(&mut rng);
+            }
+        }
+    }
+    let items = entities.join(", ");
+    let msgs = vec![
+        Message::system(COPY_SYSTEM),
+        Message::user(items.clone()),
+        Message::assistant(items),
+    ];
+    actor_text_last(t, &msgs, &[])
+}
+
+/// A random letter string of 3-8 letters, capitalised half the time, never a test-pool value.
+fn random_word(rng: &mut StdRng) -> String {
+    let capital = rng.random::<bool>();
+    random_word_styled(rng, capital)
+}

@@ -1,0 +1,253 @@
+//! The pretraining corpus: every training text `envace pretrain` builds from the built-in
+//! domains' train split, rendered as the engine will show it (see [`CorpusConfig`] for what
+//! goes in). This module draws the tasks and decides, seeded, which texts each task yields;
+//! the texts come from its children: `text` (rendering with trained segments), `episodes` (a
+//! task's gold run: simulator pools, slipped calls, rehearsal-memory examples), `drills` (copy
+//! drills, tool drills) and [`tool_drill`] (made-up tools); random-entity copies come from
+//! `env::tasks::randomize`, which GRPO's randomized tasks share.
+//!
+//! Corpora are reproducible: the same configuration gives the same texts, and a kind of text
+//! that is off must not change the random draws of the others (earlier corpora stay the ones
+//! their commands produced).
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::engine::profile::PromptProfile;
+use crate::engine::prompts::actor::tools_json;
+use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
+use crate::engine::spec::gold_conversation;
+use crate::env::domains::Domain;
+use crate::env::tasks::randomize::with_random_entities;
+use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
+use crate::runtime::chat_template::{
+    COMPACT_TOOLS_TEMPLATE, COMPACT_TOOLS_TEMPLATE_V2, ChatTemplate,
+};
+use crate::train::TrainError;
+
+mod drills;
+mod episodes;
+pub(super) mod text;
+pub mod tool_drill;
+
+pub use drills::COPY_SYSTEM;
+use drills::{copy_drill, tool_drill_texts};
+use episodes::{SlipInput, memory_example, recorded_pool, slip_examples};
+use text::END;
+pub use text::{Segmented, actor_text, actor_text_last, simulator_text};
+
+/// What goes into the pretraining corpus.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CorpusConfig {
+    /// Train-split tasks generated per domain (0 = the 500 built-in ones). Every generated task
+    /// has fresh names, ids and amounts, so the model must copy them from the request.
+    pub tasks_per_domain: usize,
+    /// Simulator examples per task (one per gold call, sampled; 0 = every call).
+    pub sim_per_task: usize,
+    /// Fraction of the tasks with an irreversible gold call that also yield an actor example
+    /// whose prompt carries a Private Rehearsal memory (imagined branches, some with wrong ids
+    /// and their real errors) before that call, so that rehearsal helps instead of derailing.
+    pub memory_fraction: f64,
+    /// Fraction of tasks that add a slipped call (one id or amount changed, as a model gets it
+    /// wrong): a simulator example answering it with the domain's real response (usually an
+    /// error such as `not_found`, so the simulator learns that calls can fail) and, when that
+    /// response is an error, an actor example recovering with the gold call.
+    #[serde(default)]
+    pub slip_fraction: f64,
+    /// Copy drills per task (a fraction is a probability; 2.5 = two, and a third half the
+    /// time): short conversations whose reply repeats a list of train-split
+    /// entities (ids, names, amounts, places) exactly. Dense practice of the one skill the
+    /// tasks hinge on — carrying a value from the request into a call — which a small model
+    /// otherwise learns slowly from the sparse copies inside full episodes.
+    #[serde(default)]
+    pub copy_per_task: f64,
+    /// Fraction of simulator examples (gold calls and slips) whose few-shot pool is the task's
+    /// whole recorded gold run, the call being simulated included: the context the simulator
+    /// has in rehearse-mode training. It learns to answer a call that matches a recorded one
+    /// with the recorded response, and a slipped call with the real error even though the
+    /// gold call sits in the pool. Otherwise the pool is the other gold steps only.
+    #[serde(default)]
+    pub recorded_fraction: f64,
+    /// Fraction of the items in copy drills that are random letter strings (`Qevorl`, `tusk`)
+    /// instead of train-split entities. The train split's places, payees and items are short
+    /// fixed lists a model memorises as units, so copying them teaches recall, not copying;
+    /// the test split's held-out ones then come out wrong (`Kyvi` for `Kyiv`). Random strings
+    /// can only be copied.
+    #[serde(default)]
+    pub random_copy_fraction: f64,
+    /// Fraction of tasks that add a second actor conversation in which every train-split name,
+    /// place, payee and item is replaced by a random letter string wherever it occurs (request,
+    /// calls, responses, answer): the copying the test split demands, in the sentences it
+    /// happens in, on values no model can have memorised.
+    #[serde(default)]
+    pub random_entity_fraction: f64,
+    /// Tool drills per task (see [`tool_drill`]; a fraction is a probability): episodes
+    /// with made-up tools, so that the model learns to read a tool list, not only the built-in
+    /// domains' tools. Half of them also give a simulator example.
+    #[serde(default)]
+    pub tool_drills_per_task: f64,
+    /// How the drills name their tools.
+    #[serde(default)]
+    pub tool_drill_style: tool_drill::DrillStyle,
+    /// The chat template the corpus is rendered with (and the model ships with).
+    #[serde(default)]
+    pub template: CorpusTemplate,
+    pub seed: u64,
+}
+
+/// Which compact template a model trained here speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CorpusTemplate {
+    /// [`COMPACT_TOOLS_TEMPLATE`]: tools as `name(params)` (the bundled model's).
+    #[default]
+    Compact,
+    /// [`COMPACT_TOOLS_TEMPLATE_V2`]: optional parameters marked `name(req,opt?)`.
+    CompactV2,
+}
+
+impl CorpusTemplate {
+    pub fn source(self) -> &'static str {
+        match self {
+            Self::Compact => COMPACT_TOOLS_TEMPLATE,
+            Self::CompactV2 => COMPACT_TOOLS_TEMPLATE_V2,
+        }
+    }
+}
+
+impl Default for CorpusConfig {
+    fn default() -> Self {
+        Self {
+            tasks_per_domain: 0,
+            sim_per_task: 0,
+            memory_fraction: 0.0,
+            slip_fraction: 0.0,
+            copy_per_task: 0.0,
+            recorded_fraction: 0.0,
+            random_copy_fraction: 0.0,
+            random_entity_fraction: 0.0,
+            tool_drills_per_task: 0.0,
+            tool_drill_style: Default::default(),
+            template: CorpusTemplate::Compact,
+            seed: 0,
+        }
+    }
+}
+
+/// The tasks a corpus is built from.
+fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
+    if cfg.tasks_per_domain == 0 {
+        return list_tasks(d, Some(split)).into_iter().cloned().collect();
+    }
+    match split {
+        Split::Train => generate_tasks(d, cfg.tasks_per_domain, 0),
+        Split::Test => generate_tasks(d, 0, cfg.tasks_per_domain),
+    }
+}
+
+/// Every actor and simulator text of a domain split (see [`CorpusConfig`]).
+pub fn corpus(
+    domains: &[Domain],
+    split: Split,
+    profile: &PromptProfile,
+    cfg: &CorpusConfig,
+) -> Result<Vec<Segmented>, TrainError> {
+    let t = ChatTemplate::new(cfg.template.source(), "", END)?;
+    let mut out = Vec::new();
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    for &d in domains {
+        let tools = d.tools();
+        let tj = tools_json(&tools);
+        for task in corpus_tasks(d, split, cfg) {
+            let (msgs, calls) =
+                gold_conversation(&task).map_err(|e| TrainError::Data(e.to_string()))?;
+            out.push(actor_text(&t, &msgs, &tj)?);
+            if cfg.random_entity_fraction > 0.0 && rng.random::<f64>() < cfg.random_entity_fraction
+            {
+                let seed = rng.random::<u64>();
+                let randomized = with_random_entities(&msgs, seed)
+                    .map_err(|e| TrainError::Data(e.to_string()))?;
+                out.push(actor_text(&t, &randomized, &tj)?);
+            }
+            let mut chosen: Vec<usize> = (0..calls.len()).collect();
+            if cfg.sim_per_task > 0 {
+                chosen.shuffle(&mut rng);
+                chosen.truncate(cfg.sim_per_task);
+                chosen.sort_unstable();
+            }
+            for k in chosen {
+                let gc = &calls[k];
+                // Few-shot pool: the task's other gold steps, or (rehearse-mode context) the
+                // whole recorded run.
+                let examples = recorded_pool(&calls, k, recorded(cfg, &mut rng));
+                let prompt = simulator_prompt(
+                    &SimulatorPromptInput {
+                        tools: &tools,
+                        examples: &examples,
+                        conversation: &msgs[..=gc.message],
+                        call: &gc.call,
+                    },
+                    &profile.sim_prompt,
+                );
+                out.push(simulator_text(&t, &prompt, &gc.response)?);
+            }
+            if cfg.memory_fraction > 0.0
+                && rng.random::<f64>() < cfg.memory_fraction
+                && let Some(m) = memory_example(&t, &tj, &task, &msgs, &calls, &mut rng)?
+            {
+                out.push(m);
+            }
+            if cfg.slip_fraction > 0.0 && rng.random::<f64>() < cfg.slip_fraction {
+                let slip = SlipInput {
+                    template: &t,
+                    tools: &tools,
+                    tools_json: &tj,
+                    profile,
+                    task: &task,
+                    msgs: &msgs,
+                    calls: &calls,
+                    recorded: recorded(cfg, &mut rng),
+                };
+                out.extend(slip_examples(&slip, &mut rng)?);
+            }
+            // Whole drills, then one more with the fractional part's probability.
+            let whole = cfg.copy_per_task.max(0.0).floor();
+            // One draw whenever drills are on, as before whole drills existed, so that a corpus
+            // of `--copy-per-task` ≤ 1 is the one the model card's commands produced.
+            let frac = cfg.copy_per_task - whole;
+            let extra = usize::from(cfg.copy_per_task > 0.0 && rng.random::<f64>() < frac);
+            for _ in 0..whole as usize + extra {
+                let seed = rng.random::<u64>();
+                out.push(copy_drill(&t, split, seed, cfg.random_copy_fraction)?);
+            }
+            if cfg.tool_drills_per_task > 0.0 {
+                let whole = cfg.tool_drills_per_task.floor();
+                let frac = cfg.tool_drills_per_task - whole;
+                let extra = usize::from(rng.random::<f64>() < frac);
+                for _ in 0..whole as usize + extra {
+                    let seed = rng.random::<u64>();
+                    let with_sim = rng.random::<bool>();
+                    out.extend(tool_drill_texts(
+                        &t,
+                        profile,
+                        seed,
+                        with_sim,
+                        cfg.tool_drill_style,
+                    )?);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Whether this simulator example sees the whole recorded run (one draw, only when the fraction
+/// is on, so that corpora without it are the ones earlier commands produced).
+fn recorded(cfg: &CorpusConfig, rng: &mut StdRng) -> bool {
+    cfg.recorded_fraction > 0.0 && rng.random::<f64>() < cfg.recorded_fraction
+}
+
+#[cfg(test)]
+mod tests;

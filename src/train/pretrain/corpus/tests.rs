@@ -1,0 +1,381 @@
+//! Corpus tests: what each kind of text adds to a generated corpus, and the slips and
+//! random-entity helpers they rest on.
+
+use serde_json::{Value, json};
+
+use super::episodes::corrupt_call;
+use super::*;
+use crate::engine::prompts::actor::MEMORY_HEADING;
+use crate::env::tasks::randomize::{find_word, is_word_char, replace_words};
+use crate::message::{Role, ToolCall};
+
+fn cfg(memory_fraction: f64) -> CorpusConfig {
+    CorpusConfig {
+        tasks_per_domain: 30,
+        sim_per_task: 1,
+        memory_fraction,
+        slip_fraction: 0.0,
+        copy_per_task: 0.0,
+        recorded_fraction: 0.0,
+        random_copy_fraction: 0.0,
+        random_entity_fraction: 0.0,
+        tool_drills_per_task: 0.0,
+        tool_drill_style: Default::default(),
+        template: CorpusTemplate::Compact,
+        seed: 7,
+    }
+}
+
+/// (prompt, trained result JSON) of every simulator text.
+fn sim_pairs(texts: &[Segmented]) -> Vec<(String, String)> {
+    texts
+        .iter()
+        .filter(|t| t.role == Role::Tool)
+        .map(|t| {
+            let (p, r) = (&t.segments[0].0, &t.segments[1].0);
+            let json = r
+                .trim_start_matches("<execution_result>")
+                .split("</execution_result>")
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            (p.clone(), json)
+        })
+        .collect()
+}
+
+#[test]
+fn recorded_runs_put_the_simulated_call_and_its_response_in_the_pool() {
+    let mut c = cfg(0.0);
+    c.sim_per_task = 0;
+    let plain = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact(), &c).unwrap();
+    c.recorded_fraction = 1.0;
+    c.slip_fraction = 1.0;
+    let recorded = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let pairs = sim_pairs(&recorded);
+    assert!(pairs.len() > 90, "{} simulator texts", pairs.len());
+    // Gold calls: the target is in the prompt (the recorded run holds it).
+    let copied = pairs.iter().filter(|(p, r)| p.contains(r.as_str())).count();
+    // Slips (one per task here) answer with the real error, which the pool does not hold.
+    let errors = pairs
+        .iter()
+        .filter(|(_, r)| r.contains("\"error\""))
+        .count();
+    assert!(
+        copied + errors >= pairs.len(),
+        "{copied} copied, {errors} errors of {}",
+        pairs.len()
+    );
+    assert!(copied * 2 > pairs.len(), "{copied} of {}", pairs.len());
+    // Without it, the pool never holds the call being simulated.
+    let plain_pairs = sim_pairs(&plain);
+    let leaked = plain_pairs
+        .iter()
+        .filter(|(p, r)| p.contains(r.as_str()))
+        .count();
+    assert!(
+        leaked * 5 < plain_pairs.len(),
+        "{leaked} of {}",
+        plain_pairs.len()
+    );
+}
+
+#[test]
+fn generated_corpus_has_one_actor_and_one_simulator_text_per_task() {
+    let texts = corpus(
+        &[Domain::Bank],
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg(0.0),
+    )
+    .unwrap();
+    let actor = texts.iter().filter(|t| t.role == Role::Assistant).count();
+    let sim = texts.iter().filter(|t| t.role == Role::Tool).count();
+    assert_eq!((actor, sim), (30, 30));
+    assert!(!texts.iter().any(|t| t.text().contains(MEMORY_HEADING)));
+}
+
+#[test]
+fn memory_examples_train_only_the_gold_call_after_the_memory() {
+    let texts = corpus(
+        &Domain::ALL,
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg(1.0),
+    )
+    .unwrap();
+    let memories: Vec<&Segmented> = texts
+        .iter()
+        .filter(|t| t.text().contains(MEMORY_HEADING))
+        .collect();
+    assert!(
+        memories.len() >= 20,
+        "only {} memory examples",
+        memories.len()
+    );
+    let mut slips = 0;
+    for m in memories {
+        let trained: Vec<&(String, bool)> = m.segments.iter().filter(|s| s.1).collect();
+        assert_eq!(trained.len(), 1, "one trained turn");
+        let target = &trained[0].0;
+        assert!(target.starts_with("<tool_call>"), "{target}");
+        assert!(target.ends_with(END));
+        // The memory comes before the trained turn, never after it.
+        let text = m.text();
+        assert!(text.find(MEMORY_HEADING).unwrap() < text.find(target.as_str()).unwrap());
+        // Branch lines: the gold call or a slip of it with the slip's real response.
+        let note = &text[text.find(MEMORY_HEADING).unwrap()..];
+        let call_json = &target["<tool_call>".len()..target.find("</tool_call>").unwrap()];
+        let gold: Value = serde_json::from_str(call_json).unwrap();
+        let gold_compact = serde_json::to_string(&gold).unwrap();
+        for line in note
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.contains("<|im_end|>"))
+        {
+            if !line.contains(&gold_compact) {
+                slips += 1;
+                assert!(line.contains("predicted"), "{line}");
+            }
+        }
+    }
+    assert!(slips > 0, "no branch with a slip");
+}
+
+#[test]
+fn slips_teach_the_simulator_real_errors_and_the_actor_to_recover() {
+    let c = CorpusConfig {
+        slip_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let plain = corpus(
+        &Domain::ALL,
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg(0.0),
+    )
+    .unwrap();
+    let texts = corpus(&Domain::ALL, Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let extra = texts.len() - plain.len();
+    assert!(extra >= 90, "{extra} slip examples for 90 tasks");
+    let target = |t: &Segmented| {
+        t.segments
+            .iter()
+            .filter(|s| s.1)
+            .map(|s| s.0.clone())
+            .collect::<String>()
+    };
+    let sim_errors = texts
+        .iter()
+        .filter(|t| t.role == Role::Tool && target(t).contains("\"not_found\""))
+        .count();
+    let plain_errors = plain
+        .iter()
+        .filter(|t| t.role == Role::Tool && target(t).contains("\"not_found\""))
+        .count();
+    assert!(
+        sim_errors >= plain_errors + 30,
+        "not_found targets: {plain_errors} -> {sim_errors}"
+    );
+    // Recovery examples: an error in the prompt, one trained turn, a tool call.
+    let recoveries: Vec<&Segmented> = texts
+        .iter()
+        .filter(|t| {
+            t.role == Role::Assistant
+                && t.segments.iter().filter(|s| s.1).count() == 1
+                && !t.text().contains(MEMORY_HEADING)
+        })
+        .collect();
+    assert!(recoveries.len() >= 30, "{} recoveries", recoveries.len());
+    for r in recoveries {
+        let t = target(r);
+        assert!(t.starts_with("<tool_call>"), "{t}");
+        let before = &r.text()[..r.text().find(t.as_str()).unwrap()];
+        assert!(before.contains("{\"error\""), "no error before the retry");
+    }
+}
+
+#[test]
+fn copy_drills_echo_train_split_entities() {
+    let c = CorpusConfig {
+        copy_per_task: 1.0,
+        ..cfg(0.0)
+    };
+    let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let drills: Vec<&Segmented> = texts
+        .iter()
+        .filter(|t| t.text().contains(COPY_SYSTEM))
+        .collect();
+    assert_eq!(drills.len(), 30);
+    let c3 = CorpusConfig {
+        copy_per_task: 3.0,
+        ..c.clone()
+    };
+    let t3 = corpus(
+        &[Domain::Bank],
+        Split::Train,
+        &PromptProfile::compact(),
+        &c3,
+    )
+    .unwrap();
+    let n3 = t3.iter().filter(|t| t.text().contains(COPY_SYSTEM)).count();
+    assert_eq!(n3, 90, "three whole drills per task");
+    for d in drills {
+        let trained: Vec<&(String, bool)> = d.segments.iter().filter(|s| s.1).collect();
+        assert_eq!(trained.len(), 1);
+        let reply = trained[0].0.trim_end_matches(END);
+        let user = d.text();
+        let user = user
+            .split("<|im_start|>user\n")
+            .nth(1)
+            .and_then(|u| u.split(END).next())
+            .unwrap()
+            .to_string();
+        assert_eq!(reply, user);
+        for item in reply.split(", ") {
+            if let Some(n) = item.rsplit('_').next().and_then(|n| n.parse::<i64>().ok()) {
+                assert!(!crate::env::domains::held_out(n), "{item} is a test value");
+            }
+        }
+    }
+}
+
+#[test]
+fn tool_drills_add_mcp_style_actor_and_simulator_texts_in_the_chosen_template() {
+    let plain = corpus(
+        &[Domain::Bank],
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg(0.0),
+    )
+    .unwrap();
+    let c = CorpusConfig {
+        tool_drills_per_task: 1.0,
+        template: CorpusTemplate::CompactV2,
+        ..cfg(0.0)
+    };
+    let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+    // One actor drill per task (its system prompt names the made-up `mcp:` server), and a
+    // simulator text (whose prompt has no system message) for about half of those with a
+    // call.
+    let drills: Vec<&Segmented> = texts.iter().filter(|t| t.text().contains("mcp:")).collect();
+    assert!(drills.iter().all(|t| t.role == Role::Assistant));
+    assert_eq!(drills.len(), 30);
+    let sims = texts.len() - plain.len() - drills.len();
+    assert!((5..=25).contains(&sims), "{sims} simulator drill texts");
+    assert_eq!(
+        texts.iter().filter(|t| t.role == Role::Tool).count(),
+        plain.iter().filter(|t| t.role == Role::Tool).count() + sims
+    );
+    // The v2 tool list marks optional parameters, and the trained part holds calls.
+    assert!(
+        drills
+            .iter()
+            .any(|t| t.text().contains("?)") || t.text().contains("?,"))
+    );
+    assert!(drills.iter().any(|t| {
+        t.segments
+            .iter()
+            .any(|s| s.1 && s.0.contains("<tool_call>"))
+    }));
+}
+
+#[test]
+fn random_copy_drills_echo_strings_outside_every_pool() {
+    let c = CorpusConfig {
+        copy_per_task: 1.0,
+        random_copy_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let mut items = 0;
+    for d in texts.iter().filter(|t| t.text().contains(COPY_SYSTEM)) {
+        let trained: Vec<&(String, bool)> = d.segments.iter().filter(|s| s.1).collect();
+        let reply = trained[0].0.trim_end_matches(END);
+        assert!(d.text().contains(&format!("user\n{reply}")), "{}", d.text());
+        for item in reply.split(", ") {
+            items += 1;
+            assert!((3..=8).contains(&item.len()), "{item}");
+            assert!(item.chars().all(|ch| ch.is_ascii_alphabetic()), "{item}");
+            assert!(!crate::env::domains::in_test_pools(item), "{item}");
+        }
+    }
+    assert!(items >= 30 * 4, "{items} items");
+}
+
+#[test]
+fn random_entities_replace_every_occurrence_and_keep_the_conversation_consistent() {
+    let c = CorpusConfig {
+        random_entity_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let texts = corpus(
+        &[Domain::Travel],
+        Split::Train,
+        &PromptProfile::compact(),
+        &c,
+    )
+    .unwrap();
+    let base = corpus(
+        &[Domain::Travel],
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg(0.0),
+    )
+    .unwrap();
+    // One extra actor text per task.
+    assert_eq!(texts.len(), base.len() + 30);
+    let pools = crate::env::domains::train_pool_values();
+    let actor: Vec<String> = texts
+        .iter()
+        .filter(|t| t.role != Role::Tool)
+        .map(Segmented::text)
+        .collect();
+    let mut changed = 0;
+    for pair in actor.chunks(2) {
+        let (orig, sub) = (&pair[0], &pair[1]);
+        let present: Vec<&&str> = pools
+            .iter()
+            .filter(|v| find_word(orig, v).is_some() && find_word(sub, v).is_none())
+            .collect();
+        if !present.is_empty() {
+            changed += 1;
+        }
+        // Ids, amounts and days are untouched.
+        for id in orig
+            .split(|c: char| !is_word_char(c))
+            .filter(|w| w.contains('_'))
+        {
+            assert!(sub.contains(id), "{id} lost");
+        }
+    }
+    assert!(changed >= 25, "only {changed} of 30 conversations changed");
+    assert_eq!(
+        replace_words("Ann met Anna; Ann_x, Ann.", "Ann", "Qo"),
+        "Qo met Anna; Ann_x, Qo."
+    );
+}
+
+#[test]
+fn a_slip_changes_exactly_one_argument() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let call = ToolCall {
+        name: "transfer".into(),
+        arguments: json!({"src": "acc_120", "dst": "acc_450", "amount": 75}),
+    };
+    for _ in 0..50 {
+        let bad = corrupt_call(&call, &mut rng).unwrap();
+        let (a, b) = (
+            call.arguments.as_object().unwrap(),
+            bad.arguments.as_object().unwrap(),
+        );
+        let changed = a.iter().filter(|(k, v)| b[k.as_str()] != **v).count();
+        assert_eq!(changed, 1, "{bad:?}");
+        assert_eq!(b["amount"], json!(75), "ids are slipped before amounts");
+    }
+    let no_args = ToolCall {
+        name: "x".into(),
+        arguments: json!({"note": "hi"}),
+    };
+    assert!(corrupt_call(&no_args, &mut rng).is_none());
+}
