@@ -195,7 +195,9 @@ fn events() -> Vec<EventBody> {
             turn: ActorTurn {
                 think: Some("plan".into()),
                 content: String::new(),
-                action: ActorAction::Calls { calls: vec![call()] },
+                action: ActorAction::Calls {
+                    calls: vec![call()],
+                },
                 events: all_actor_events.clone(),
             },
             call_ids: vec!["c1".into()],
@@ -290,7 +292,9 @@ fn events() -> Vec<EventBody> {
     }
     for (i, (end, prediction)) in [
         (
-            BranchEnd::Answered { text: "done".into() },
+            BranchEnd::Answered {
+                text: "done".into(),
+            },
             Prediction::Success,
         ),
         (
@@ -352,7 +356,11 @@ fn events() -> Vec<EventBody> {
             reason,
         });
     }
-    for finish in [FinishReason::Eos, FinishReason::Length, FinishReason::Cancelled] {
+    for finish in [
+        FinishReason::Eos,
+        FinishReason::Length,
+        FinishReason::Cancelled,
+    ] {
         out.push(EventBody::Generation(GenerationRecord {
             role: GenRole::Simulator,
             request: 2,
@@ -446,7 +454,9 @@ fn the_format_is_pinned_by_the_golden_file() {
     assert_eq!(bodies, events());
     for kind in ALL_KINDS {
         assert!(
-            bodies.iter().any(|b| kind_of(b) == kind && b.kind() == kind),
+            bodies
+                .iter()
+                .any(|b| kind_of(b) == kind && b.kind() == kind),
             "{kind} missing"
         );
     }

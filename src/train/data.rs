@@ -144,8 +144,7 @@ pub fn session_examples(
             };
             let (response, mask): (Vec<u32>, Vec<f32>) = match relabel {
                 Some(v) => {
-                    let mut ids =
-                        tok.encode(&crate::engine::parse::execution_result(v))?;
+                    let mut ids = tok.encode(&crate::engine::parse::execution_result(v))?;
                     ids.extend(end);
                     let n = ids.len();
                     stats.simulator_relabelled += 1;

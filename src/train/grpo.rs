@@ -1321,7 +1321,7 @@ mod tests {
     }
 
     /// Whether `word` occurs in `text` delimited by non-word characters (written apart from
-    /// the pretraining module's matcher, so that a bug there cannot hide here).
+    /// the matcher in env::tasks::randomize, so that a bug there cannot hide here).
     fn has_whole_word(text: &str, word: &str) -> bool {
         text.match_indices(word).any(|(i, _)| {
             let before = text[..i].chars().next_back();

@@ -93,7 +93,7 @@ pub fn simulator_text(
     result: &Value,
 ) -> Result<Segmented, TrainError> {
     let p = t.render(prompt, &[], true, false)?;
-    let target = format!("<execution_result>{result}</execution_result>{END}");
+    let target = format!("{}{END}", crate::engine::parse::execution_result(result));
     Ok(Segmented {
         role: Role::Tool,
         segments: vec![(p, false), (target, true)],
