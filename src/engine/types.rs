@@ -1,7 +1,8 @@
 //! The engine's vocabulary: episode inputs ([`EpisodeSpec`]), configuration ([`EngineConfig`],
 //! whose [`Mode`] nests the options that only make sense with a real environment), and the
-//! plain data the FSM reports and sessions record (end reasons, approval decisions, rehearsal
-//! branch summaries). Pure data: no behaviour beyond small helpers.
+//! plain data the FSM reports (end reasons, approval decisions, rehearsal branch summaries),
+//! which sessions record: those are defined in `session::format` (the file format's owner) and
+//! re-exported here, with their small helpers. Pure data: no behaviour beyond small helpers.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
