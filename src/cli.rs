@@ -214,14 +214,9 @@ pub struct EvalArgs {
     pub command: Option<EvalCommand>,
     #[arg(long, default_value = "models/envace-tiny")]
     pub model: PathBuf,
-    /// A built-in domain to evaluate on.
-    #[arg(long, required_unless_present = "bfcl")]
+    /// A built-in domain to evaluate on (BFCL: `envace eval bfcl`).
+    #[arg(long, required = true)]
     pub env: Option<String>,
-    /// Score the live model on a BFCL-v4 directory instead (with --category).
-    #[arg(long, requires = "category")]
-    pub bfcl: Option<PathBuf>,
-    #[arg(long)]
-    pub category: Option<String>,
     #[arg(long, default_value = "test")]
     pub split: String,
     #[arg(long)]

@@ -326,45 +326,10 @@ pub async fn run(a: RunArgs) -> Result<()> {
 }
 
 pub async fn eval(a: EvalArgs) -> Result<()> {
-    if let (Some(dir), Some(cat)) = (&a.bfcl, &a.category) {
-        let entries = envace::env::bfcl::load_category(dir, cat)?;
-        let config = episode_config(&a.mode)?;
-        let (model, profile) = load_model(&a.model, a.mode.device)?;
-        let t0 = std::time::Instant::now();
-        let report = envace::engine::runner::eval_bfcl_live(
-            &model,
-            &entries,
-            cat,
-            &config,
-            profile.as_ref(),
-            |i, n| {
-                if !a.json {
-                    eprintln!("[{i}/{n}]");
-                }
-            },
-            &CancelToken::new(),
-        )?;
-        let v = serde_json::json!({
-            "category": cat,
-            "accuracy": report.accuracy(),
-            "correct": report.correct,
-            "total": report.total,
-            "seconds": t0.elapsed().as_secs_f64(),
-        });
-        println!(
-            "{}",
-            if a.json {
-                v.to_string()
-            } else {
-                serde_json::to_string_pretty(&v)?
-            }
-        );
-        return Ok(());
-    }
     let env = a
         .env
         .as_deref()
-        .context("--env DOMAIN (or --bfcl DIR --category NAME) is required")?;
+        .context("--env DOMAIN is required (BFCL: `envace eval bfcl`)")?;
     let domain = Domain::from_name(env)?;
     let split = match a.split.as_str() {
         "train" => Split::Train,

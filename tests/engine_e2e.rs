@@ -234,9 +234,10 @@ fn live_bfcl_scoring_runs_the_model_through_the_ast_checker() {
     for (cat, n) in [("simple_python", 3.0), ("irrelevance", 2.0)] {
         let v = envace(&[
             "eval",
+            "bfcl",
             "--model",
             gguf.to_str().unwrap(),
-            "--bfcl",
+            "--data",
             data.to_str().unwrap(),
             "--category",
             cat,
