@@ -642,7 +642,8 @@ fn read_gguf_header(
         rope_theta: meta.f32_or("rope.freq_base", 10_000.0),
         rope_scaling: None,
         max_position_embeddings: ctx.min(32_768),
-        tie_word_embeddings: false,
+        // A GGUF without `output.weight` ties the head to the embedding (SmolLM2).
+        tie_word_embeddings: !ct.tensor_infos.contains_key("output.weight"),
         qkv_bias: family == Family::Qwen2,
         qk_norm: family == Family::Qwen3,
         rope_interleaved: family == Family::Llama,

@@ -1,7 +1,9 @@
 //! `envace bench train`: training throughput of the trainable decoder — forward + backward +
 //! AdamW on a batch of seeded random token sequences, every position trained — and peak memory,
 //! for full fine-tuning or LoRA, on a model directory or a named shape (seeded random weights;
-//! no download needed). The reported tokens/s counts every input token of the batch; the step
+//! no download needed). The reported tokens/s counts trained positions (each sequence of `seq`
+//! input tokens trains `seq − 1` next-token targets: the work `scripts/bench-pytorch-train`
+//! counts, T targets for T inputs plus one); the step
 //! is also split into forward, backward and optimizer time, and the kernels in use are named
 //! (`ENVACE_SLOW_OPS=1` selects candle's slow differentiable ops, for A/B runs).
 
@@ -56,6 +58,7 @@ pub struct TrainBenchResult {
     pub fwd_s_median: f64,
     pub bwd_s_median: f64,
     pub opt_s_median: f64,
+    /// Trained positions per second: `batch × (seq − 1)` per step.
     pub tokens_per_s: f64,
     /// `fused` (runtime::fused custom ops) or `slow` (`ENVACE_SLOW_OPS=1`: candle's
     /// differentiable composite ops).
@@ -202,7 +205,7 @@ pub fn run(
         fwd_s_median: self::median(fwd),
         bwd_s_median: self::median(bwd),
         opt_s_median: self::median(optim),
-        tokens_per_s: (cfg.batch * cfg.seq) as f64 / median,
+        tokens_per_s: (cfg.batch * cfg.seq.saturating_sub(1)) as f64 / median,
         kernels: Kernels::current().as_str(),
         peak_rss_mb: peak_rss_mb(),
     })
