@@ -10,6 +10,7 @@ use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent,
 use ratatui::layout::Rect;
 use ratatui_textarea::TextArea;
 
+use super::command::{TabCommand, TabContext};
 use super::debugger::DebuggerTab;
 use super::keymap::{Action, Key, Keymap, Scope};
 use super::models_tab::{ModelEntry, ModelsTab};
@@ -517,8 +518,7 @@ impl App {
             _ => {
                 ed.area.input(k);
                 if ed.target == EditTarget::SessionFilter {
-                    self.sessions.filter = ed.text();
-                    self.sessions.clamp();
+                    self.sessions.set_filter(ed.text());
                 }
                 return Vec::new();
             }
@@ -535,8 +535,7 @@ impl App {
                 Vec::new()
             }
             EditTarget::SessionFilter => {
-                self.sessions.filter = text;
-                self.sessions.clamp();
+                self.sessions.set_filter(text);
                 self.editor = None;
                 Vec::new()
             }
@@ -586,7 +585,9 @@ impl App {
             }
             EditTarget::ForkContent { event_id, tool } => {
                 self.editor = None;
-                self.fork(Some((event_id, tool, text)))
+                let ctx = self.context();
+                let commands = self.debugger.fork(Some((event_id, tool, text)), &ctx);
+                self.apply_all(commands)
             }
         }
     }
@@ -814,257 +815,81 @@ impl App {
         }
     }
 
+    /// A key for the tab in front: the tab handles it on its own state, and what reaches
+    /// beyond the tab comes back as commands for [`App::apply`].
     fn tab_action(&mut self, a: Action) -> Vec<Effect> {
-        match self.tab {
-            Tab::Run => match a {
-                Action::StartRun => self.start_run(),
-                Action::EditInstruction => {
-                    self.editor = Some(Editor::new(EditTarget::Instruction, &self.run.instruction));
-                    Vec::new()
-                }
-                Action::ClearInstruction => {
-                    self.run.instruction.clear();
-                    Vec::new()
-                }
-                Action::Confirm => {
-                    if self.run.form.current().map(|f| f.key) == Some("instruction") {
-                        self.editor =
-                            Some(Editor::new(EditTarget::Instruction, &self.run.instruction));
-                    }
-                    Vec::new()
-                }
-                _ => {
-                    self.run.nav(a);
-                    Vec::new()
-                }
-            },
-            Tab::Sessions => match a {
-                Action::Confirm => match self.sessions.selected_path() {
-                    Some(p) => {
-                        // Opening one session leaves any diff.
-                        self.debugger.diff = false;
-                        vec![Effect::LoadSession {
-                            path: p,
-                            slot: Slot::Primary,
-                        }]
-                    }
-                    None => Vec::new(),
-                },
-                Action::Delete => {
-                    if let Some(p) = self.sessions.selected_path() {
-                        self.overlay = Some(Overlay::ConfirmDelete(p));
-                    }
-                    Vec::new()
-                }
-                Action::Filter => {
-                    self.editor = Some(Editor::new(
-                        EditTarget::SessionFilter,
-                        &self.sessions.filter,
-                    ));
-                    Vec::new()
-                }
-                Action::Refresh => vec![Effect::ScanSessions],
-                Action::MarkDiff => {
-                    let Some(p) = self.sessions.selected_path() else {
-                        return Vec::new();
-                    };
-                    match self.sessions.marked.take() {
-                        Some(m) if m != p => {
-                            self.debugger.diff = true;
-                            vec![
-                                Effect::LoadSession {
-                                    path: m,
-                                    slot: Slot::Primary,
-                                },
-                                Effect::LoadSession {
-                                    path: p,
-                                    slot: Slot::Other,
-                                },
-                            ]
-                        }
-                        Some(_) => Vec::new(),
-                        None => {
-                            self.notify(
-                                Level::Info,
-                                "marked for diff: press m on another session to compare",
-                            );
-                            self.sessions.marked = Some(p);
-                            Vec::new()
-                        }
-                    }
-                }
-                _ => {
-                    self.sessions.nav(a);
-                    Vec::new()
-                }
-            },
-            Tab::Debugger => match a {
-                Action::Fork => self.fork(None),
-                Action::EditFork => match self.debugger.editable_at_cursor() {
-                    Some((event_id, tool, text)) => {
-                        self.editor = Some(Editor::new(
-                            EditTarget::ForkContent { event_id, tool },
-                            &text,
-                        ));
-                        Vec::new()
-                    }
-                    None => {
-                        self.notify(
-                            Level::Warn,
-                            "select a tool result or an actor message on the main line to edit",
-                        );
-                        Vec::new()
-                    }
-                },
-                Action::ToggleDiff => {
-                    if self.debugger.other.is_none() {
-                        match self.debugger.origin_path() {
-                            Some(p) => {
-                                self.debugger.diff = true;
-                                return vec![Effect::LoadSession {
-                                    path: p,
-                                    slot: Slot::Other,
-                                }];
-                            }
-                            None => self.notify(
-                                Level::Info,
-                                "nothing to diff with: mark two sessions with m in the Sessions tab, or open a fork",
-                            ),
-                        }
-                    } else {
-                        self.debugger.diff = !self.debugger.diff;
-                    }
-                    Vec::new()
-                }
-                _ => {
-                    self.debugger.action(a);
-                    match self.debugger.wants_tokens() {
-                        Some((event, ids)) => vec![Effect::DecodeTokens { event, ids }],
-                        None => Vec::new(),
-                    }
-                }
-            },
-            Tab::Train => match a {
-                Action::StartTraining | Action::ResumeTraining => {
-                    if self.train.is_running() {
-                        self.notify(Level::Warn, "training is already running");
-                        return Vec::new();
-                    }
-                    let resume = a == Action::ResumeTraining;
-                    match self.train.request(&self.model_path, resume) {
-                        Ok(r) => {
-                            self.train.started();
-                            vec![Effect::StartTraining(Box::new(r))]
-                        }
-                        Err(e) => {
-                            self.notify(Level::Warn, e);
-                            Vec::new()
-                        }
-                    }
-                }
-                Action::StopTraining => {
-                    if self.train.is_running() {
-                        vec![Effect::StopTraining]
-                    } else {
-                        Vec::new()
-                    }
-                }
-                Action::LoadCheckpoint => match self.train.selected_checkpoint() {
-                    Some(p) => {
-                        self.model = ModelState::Loading(p.clone());
-                        self.tab = Tab::Run;
-                        vec![Effect::LoadModel(p)]
-                    }
-                    None => Vec::new(),
-                },
-                Action::Confirm => {
-                    if let Some(f) = self.train.form.current()
-                        && let super::form::Value::Text(t) = &f.value
-                    {
-                        self.editor = Some(Editor::new(EditTarget::TrainField(f.key), t));
-                    }
-                    Vec::new()
-                }
-                _ => {
-                    self.train.nav(a);
-                    Vec::new()
-                }
-            },
-            Tab::Models => match a {
-                Action::LoadModel | Action::Confirm => match self.models.selected_path() {
-                    Some(p) => {
-                        if self.run.is_running() || self.train.is_running() {
-                            self.notify(Level::Warn, "wait for the running episode / training");
-                            return Vec::new();
-                        }
-                        self.model = ModelState::Loading(p.clone());
-                        vec![Effect::LoadModel(p)]
-                    }
-                    None => Vec::new(),
-                },
-                _ => {
-                    self.models.nav(a);
-                    Vec::new()
-                }
-            },
+        let ctx = self.context();
+        let commands = match self.tab {
+            Tab::Run => self.run.handle(a, &ctx),
+            Tab::Sessions => self.sessions.handle(a, &ctx),
+            Tab::Debugger => self.debugger.handle(a, &ctx),
+            Tab::Train => self.train.handle(a, &ctx),
+            Tab::Models => self.models.handle(a, &ctx),
+        };
+        self.apply_all(commands)
+    }
+
+    /// What the tabs may know of the rest of the app while they handle a key.
+    fn context(&self) -> TabContext {
+        TabContext {
+            model_ready: matches!(self.model, ModelState::Ready(_)),
+            model_path: self.model_path.clone(),
+            sessions_dir: self.sessions_dir.clone(),
+            run_busy: self.run.is_running(),
+            train_busy: self.train.is_running(),
         }
     }
 
-    fn start_run(&mut self) -> Vec<Effect> {
-        if self.run.is_running() {
-            self.notify(
-                Level::Warn,
-                "an episode is already running (Ctrl-C cancels it)",
-            );
-            return Vec::new();
-        }
-        if !matches!(self.model, ModelState::Ready(_)) {
-            self.notify(Level::Warn, "the model is not loaded yet");
-            return Vec::new();
-        }
-        match self.run.request(&self.sessions_dir) {
-            Ok(req) => {
-                self.run.started(&req);
+    fn apply_all(&mut self, commands: Vec<TabCommand>) -> Vec<Effect> {
+        commands.into_iter().flat_map(|c| self.apply(c)).collect()
+    }
+
+    /// Carry out one command of a tab: the one place where a tab's wish touches the rest of
+    /// the app.
+    fn apply(&mut self, command: TabCommand) -> Vec<Effect> {
+        match command {
+            TabCommand::Edit { target, text } => {
+                self.editor = Some(Editor::new(target, &text));
+                Vec::new()
+            }
+            TabCommand::Overlay(o) => {
+                self.overlay = Some(o);
+                Vec::new()
+            }
+            TabCommand::SetDiff(on) => {
+                self.debugger.diff = on;
+                Vec::new()
+            }
+            TabCommand::ShowTab(tab) => {
+                self.tab = tab;
+                Vec::new()
+            }
+            TabCommand::LoadModel(path) => {
+                self.model = ModelState::Loading(path.clone());
+                vec![Effect::LoadModel(path)]
+            }
+            TabCommand::StartRun(req) => {
                 self.notice = None;
                 vec![Effect::StartRun(req)]
             }
-            Err(e) => {
-                self.notify(Level::Warn, e);
-                Vec::new()
-            }
-        }
-    }
-
-    fn fork(&mut self, edit: Option<(String, bool, String)>) -> Vec<Effect> {
-        if self.run.is_running() {
-            self.notify(Level::Warn, "an episode is already running");
-            return Vec::new();
-        }
-        if !matches!(self.model, ModelState::Ready(_)) {
-            self.notify(Level::Warn, "the model is not loaded yet");
-            return Vec::new();
-        }
-        match self.debugger.fork_request(edit) {
-            Ok(req) => {
-                let config = match self.run.config() {
-                    Ok(c) => c,
-                    Err(e) => {
-                        self.notify(Level::Warn, e);
-                        return Vec::new();
-                    }
-                };
-                let autonomy = self.run.autonomy();
-                self.run.forking(&req);
-                self.notice = None;
-                self.tab = Tab::Run;
-                vec![Effect::Fork {
-                    spec: req,
-                    config,
-                    autonomy,
-                }]
-            }
-            Err(e) => {
-                self.notify(Level::Warn, e);
+            TabCommand::Fork(spec) => match self.run.begin_fork(&spec) {
+                Ok((config, autonomy)) => {
+                    self.notice = None;
+                    self.tab = Tab::Run;
+                    vec![Effect::Fork {
+                        spec,
+                        config,
+                        autonomy,
+                    }]
+                }
+                Err(e) => {
+                    self.notify(Level::Warn, e);
+                    Vec::new()
+                }
+            },
+            TabCommand::Effect(e) => vec![e],
+            TabCommand::Notify(level, text) => {
+                self.notify(level, text);
                 Vec::new()
             }
         }

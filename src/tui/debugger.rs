@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use ratatui::layout::Rect;
 
-use super::app::Slot;
+use super::app::{EditTarget, Effect, Level, Slot};
+use super::command::{TabCommand, TabContext};
 use super::keymap::Action;
 use crate::engine::types::{EndReason, SimulatedOutcome};
 use crate::message::Role;
@@ -316,6 +317,77 @@ impl DebuggerTab {
         false
     }
 
+    /// Handle an action while this tab is in front.
+    pub fn handle(&mut self, a: Action, ctx: &TabContext) -> Vec<TabCommand> {
+        match a {
+            Action::Fork => self.fork(None, ctx),
+            Action::EditFork => match self.editable_at_cursor() {
+                Some((event_id, tool, text)) => vec![TabCommand::Edit {
+                    target: EditTarget::ForkContent { event_id, tool },
+                    text,
+                }],
+                None => vec![TabCommand::notify(
+                    Level::Warn,
+                    "select a tool result or an actor message on the main line to edit",
+                )],
+            },
+            Action::ToggleDiff => self.toggle_diff(),
+            _ => {
+                self.action(a);
+                match self.wants_tokens() {
+                    Some((event, ids)) => {
+                        vec![TabCommand::Effect(Effect::DecodeTokens { event, ids })]
+                    }
+                    None => Vec::new(),
+                }
+            }
+        }
+    }
+
+    /// Fork at the cursor (with an optional edit, from the fork editor), when nothing runs and
+    /// a model is ready; the Run tab supplies the options and watches it.
+    pub fn fork(&self, edit: Option<(String, bool, String)>, ctx: &TabContext) -> Vec<TabCommand> {
+        if ctx.run_busy {
+            return vec![TabCommand::notify(
+                Level::Warn,
+                "an episode is already running",
+            )];
+        }
+        if !ctx.model_ready {
+            return vec![TabCommand::notify(
+                Level::Warn,
+                "the model is not loaded yet",
+            )];
+        }
+        match self.fork_request(edit) {
+            Ok(spec) => vec![TabCommand::Fork(spec)],
+            Err(e) => vec![TabCommand::Notify(Level::Warn, e)],
+        }
+    }
+
+    /// Show or hide the diff; with nothing beside the session yet, load the session it was
+    /// forked from.
+    fn toggle_diff(&mut self) -> Vec<TabCommand> {
+        if self.other.is_some() {
+            self.diff = !self.diff;
+            return Vec::new();
+        }
+        match self.origin_path() {
+            Some(path) => {
+                self.diff = true;
+                vec![TabCommand::Effect(Effect::LoadSession {
+                    path,
+                    slot: Slot::Other,
+                })]
+            }
+            None => vec![TabCommand::notify(
+                Level::Info,
+                "nothing to diff with: mark two sessions with m in the Sessions tab, or open a fork",
+            )],
+        }
+    }
+
+    /// Navigation and view toggles (the keys that stay inside this tab).
     pub fn action(&mut self, a: Action) {
         let n = self.steps();
         let before = self.cursor;
@@ -489,6 +561,48 @@ mod tests {
             summary(&rec(true))
         );
         assert!(summary(&rec(false)).starts_with("simulated book → "));
+    }
+
+    #[test]
+    fn fork_waits_for_a_running_episode_then_a_loaded_model() {
+        let mut d = sample();
+        let warned = |cmds: Vec<TabCommand>, what: &str| match cmds.as_slice() {
+            [TabCommand::Notify(Level::Warn, m)] => m.contains(what),
+            _ => false,
+        };
+        let busy = TabContext {
+            run_busy: true,
+            model_ready: false,
+            ..TabContext::ready()
+        };
+        assert!(warned(d.handle(Action::Fork, &busy), "already running"));
+        let loading = TabContext {
+            model_ready: false,
+            ..TabContext::ready()
+        };
+        assert!(warned(d.handle(Action::Fork, &loading), "not loaded"));
+        let spec = d.fork_request(None).unwrap();
+        assert_eq!(
+            d.handle(Action::Fork, &TabContext::ready()),
+            vec![TabCommand::Fork(spec)]
+        );
+    }
+
+    #[test]
+    fn toggle_diff_needs_a_second_session_then_flips_the_view() {
+        let ctx = TabContext::ready();
+        let mut d = sample();
+        assert!(matches!(
+            d.handle(Action::ToggleDiff, &ctx).as_slice(),
+            [TabCommand::Notify(Level::Info, _)]
+        ));
+        assert!(!d.diff);
+        let p = d.primary.clone().unwrap();
+        d.loaded(p.path.clone(), Slot::Other, p.session);
+        assert!(d.handle(Action::ToggleDiff, &ctx).is_empty());
+        assert!(d.diff);
+        assert!(d.handle(Action::ToggleDiff, &ctx).is_empty());
+        assert!(!d.diff);
     }
 
     #[test]

@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+use super::app::Level;
+use super::command::{TabCommand, TabContext};
 use super::keymap::Action;
 
 /// A model found on disk.
@@ -28,6 +30,25 @@ impl ModelsTab {
     pub fn selected_path(&self) -> Option<PathBuf> {
         self.entries.get(self.selected).map(|e| e.path.clone())
     }
+    /// Handle an action while this tab is in front.
+    pub fn handle(&mut self, a: Action, ctx: &TabContext) -> Vec<TabCommand> {
+        match a {
+            Action::LoadModel | Action::Confirm => match self.selected_path() {
+                // The model does not change under a running episode or training.
+                Some(_) if ctx.run_busy || ctx.train_busy => vec![TabCommand::notify(
+                    Level::Warn,
+                    "wait for the running episode / training",
+                )],
+                Some(p) => vec![TabCommand::LoadModel(p)],
+                None => Vec::new(),
+            },
+            _ => {
+                self.nav(a);
+                Vec::new()
+            }
+        }
+    }
+
     pub fn nav(&mut self, a: Action) {
         let n = self.entries.len();
         match a {
@@ -138,6 +159,38 @@ pub fn rss_mb() -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_model_loads_while_an_episode_or_training_runs() {
+        let mut t = ModelsTab {
+            entries: vec![ModelEntry {
+                path: PathBuf::from("models/other"),
+                format: "hf",
+                bytes: 0,
+                detail: String::new(),
+            }],
+            ..ModelsTab::default()
+        };
+        for busy in [
+            TabContext {
+                run_busy: true,
+                ..TabContext::ready()
+            },
+            TabContext {
+                train_busy: true,
+                ..TabContext::ready()
+            },
+        ] {
+            assert!(matches!(
+                t.handle(Action::LoadModel, &busy).as_slice(),
+                [TabCommand::Notify(Level::Warn, _)]
+            ));
+        }
+        assert_eq!(
+            t.handle(Action::Confirm, &TabContext::ready()),
+            vec![TabCommand::LoadModel(PathBuf::from("models/other"))]
+        );
+    }
 
     #[test]
     fn finds_the_bundled_model() {

@@ -6,6 +6,9 @@ use std::path::{Path, PathBuf};
 
 use ratatui::layout::Rect;
 
+use super::app::{EditTarget, Level};
+use super::command::{TabCommand, TabContext};
+use super::debugger::ForkSpec;
 use super::episode::EpisodeView;
 use super::form::{Field, Form};
 use super::keymap::Action;
@@ -274,8 +277,66 @@ impl RunTab {
         self.reset_view(label);
     }
 
-    pub fn forking(&mut self, spec: &super::debugger::ForkSpec) {
+    fn forking(&mut self, spec: &ForkSpec) {
         self.reset_view(format!("fork of {} at {}", spec.file_name(), spec.at_event));
+    }
+
+    /// Take on a fork asked for elsewhere (the debugger): the options it re-runs with, from
+    /// this tab's form, and the view reset to watch it; or why the form does not validate.
+    pub fn begin_fork(&mut self, spec: &ForkSpec) -> Result<(EpisodeConfig, Autonomy), String> {
+        let config = self.config()?;
+        let autonomy = self.autonomy();
+        self.forking(spec);
+        Ok((config, autonomy))
+    }
+
+    /// Handle an action while this tab is in front.
+    pub fn handle(&mut self, a: Action, ctx: &TabContext) -> Vec<TabCommand> {
+        match a {
+            Action::StartRun => self.start(ctx),
+            Action::EditInstruction => vec![self.edit_instruction()],
+            Action::ClearInstruction => {
+                self.instruction.clear();
+                Vec::new()
+            }
+            Action::Confirm if self.form.current().map(|f| f.key) == Some("instruction") => {
+                vec![self.edit_instruction()]
+            }
+            Action::Confirm => Vec::new(),
+            _ => {
+                self.nav(a);
+                Vec::new()
+            }
+        }
+    }
+
+    fn edit_instruction(&self) -> TabCommand {
+        TabCommand::Edit {
+            target: EditTarget::Instruction,
+            text: self.instruction.clone(),
+        }
+    }
+
+    fn start(&mut self, ctx: &TabContext) -> Vec<TabCommand> {
+        if self.is_running() {
+            return vec![TabCommand::notify(
+                Level::Warn,
+                "an episode is already running (Ctrl-C cancels it)",
+            )];
+        }
+        if !ctx.model_ready {
+            return vec![TabCommand::notify(
+                Level::Warn,
+                "the model is not loaded yet",
+            )];
+        }
+        match self.request(&ctx.sessions_dir) {
+            Ok(req) => {
+                self.started(&req);
+                vec![TabCommand::StartRun(req)]
+            }
+            Err(e) => vec![TabCommand::Notify(Level::Warn, e)],
+        }
     }
 
     pub fn finished(&mut self, session: PathBuf, result: Result<f64, String>) {
@@ -411,6 +472,29 @@ impl RunTab {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_waits_for_the_model_and_starts_once() {
+        let mut t = RunTab::new(None, None);
+        let loading = TabContext {
+            model_ready: false,
+            ..TabContext::ready()
+        };
+        assert!(matches!(
+            t.handle(Action::StartRun, &loading).as_slice(),
+            [TabCommand::Notify(Level::Warn, m)] if m.contains("not loaded")
+        ));
+        assert!(!t.is_running());
+        match t.handle(Action::StartRun, &TabContext::ready()).as_slice() {
+            [TabCommand::StartRun(r)] => assert!(r.session.starts_with("sessions")),
+            other => panic!("{other:?}"),
+        }
+        assert!(t.is_running());
+        assert!(matches!(
+            t.handle(Action::StartRun, &TabContext::ready()).as_slice(),
+            [TabCommand::Notify(Level::Warn, m)] if m.contains("already running")
+        ));
+    }
 
     #[test]
     fn env_change_refreshes_tasks_and_request_validates() {

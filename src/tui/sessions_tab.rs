@@ -1,8 +1,11 @@
 //! The Sessions tab's state: the sessions directory as summaries (from
 //! `session::index`), sorted and filtered, with a selection and a session marked for diff.
+//! Opening or comparing sessions happens in the debugger; this tab only asks for it.
 
 use std::path::PathBuf;
 
+use super::app::{EditTarget, Effect, Level, Overlay, Slot};
+use super::command::{TabCommand, TabContext};
 use super::keymap::Action;
 use crate::session::index::{SessionSummary, SortKey, filter, sort};
 
@@ -95,6 +98,71 @@ impl SessionsTab {
         }
     }
 
+    /// Handle an action while this tab is in front.
+    pub fn handle(&mut self, a: Action, _ctx: &TabContext) -> Vec<TabCommand> {
+        match a {
+            Action::Confirm => match self.selected_path() {
+                // Opening one session leaves any diff.
+                Some(path) => vec![
+                    TabCommand::SetDiff(false),
+                    TabCommand::Effect(Effect::LoadSession {
+                        path,
+                        slot: Slot::Primary,
+                    }),
+                ],
+                None => Vec::new(),
+            },
+            Action::Delete => match self.selected_path() {
+                Some(p) => vec![TabCommand::Overlay(Overlay::ConfirmDelete(p))],
+                None => Vec::new(),
+            },
+            Action::Filter => vec![TabCommand::Edit {
+                target: EditTarget::SessionFilter,
+                text: self.filter.clone(),
+            }],
+            Action::Refresh => vec![TabCommand::Effect(Effect::ScanSessions)],
+            Action::MarkDiff => self.mark_diff(),
+            _ => {
+                self.nav(a);
+                Vec::new()
+            }
+        }
+    }
+
+    /// The first press marks the selected session; a press on another one compares the two.
+    fn mark_diff(&mut self) -> Vec<TabCommand> {
+        let Some(p) = self.selected_path() else {
+            return Vec::new();
+        };
+        match self.marked.take() {
+            Some(m) if m != p => vec![
+                TabCommand::SetDiff(true),
+                TabCommand::Effect(Effect::LoadSession {
+                    path: m,
+                    slot: Slot::Primary,
+                }),
+                TabCommand::Effect(Effect::LoadSession {
+                    path: p,
+                    slot: Slot::Other,
+                }),
+            ],
+            Some(_) => Vec::new(),
+            None => {
+                self.marked = Some(p);
+                vec![TabCommand::notify(
+                    Level::Info,
+                    "marked for diff: press m on another session to compare",
+                )]
+            }
+        }
+    }
+
+    /// The filter as typed so far (the editor updates it on every key).
+    pub fn set_filter(&mut self, text: String) {
+        self.filter = text;
+        self.clamp();
+    }
+
     fn resort(&mut self) {
         let v = std::mem::take(&mut self.all);
         self.set(v);
@@ -110,5 +178,69 @@ impl SessionsTab {
                 self.selected = i;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::index::summarize;
+
+    fn tab() -> SessionsTab {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions");
+        let mut t = SessionsTab::default();
+        t.set(
+            ["bank-success.jsonl", "bank-failure.jsonl"]
+                .iter()
+                .map(|n| summarize(&dir.join(n)).unwrap())
+                .collect(),
+        );
+        t
+    }
+
+    #[test]
+    fn opening_a_session_leaves_diff_mode_before_loading_it() {
+        let mut t = tab();
+        let path = t.selected_path().unwrap();
+        assert_eq!(
+            t.handle(Action::Confirm, &TabContext::ready()),
+            vec![
+                TabCommand::SetDiff(false),
+                TabCommand::Effect(Effect::LoadSession {
+                    path,
+                    slot: Slot::Primary
+                }),
+            ]
+        );
+    }
+
+    #[test]
+    fn marking_a_second_session_asks_for_diff_mode_then_loads_both() {
+        let ctx = TabContext::ready();
+        let mut t = tab();
+        let first = t.selected_path().unwrap();
+        assert!(matches!(
+            t.handle(Action::MarkDiff, &ctx).as_slice(),
+            [TabCommand::Notify(Level::Info, _)]
+        ));
+        assert_eq!(t.marked.as_ref(), Some(&first));
+        t.handle(Action::Down, &ctx);
+        let second = t.selected_path().unwrap();
+        assert_ne!(first, second);
+        assert_eq!(
+            t.handle(Action::MarkDiff, &ctx),
+            vec![
+                TabCommand::SetDiff(true),
+                TabCommand::Effect(Effect::LoadSession {
+                    path: first,
+                    slot: Slot::Primary
+                }),
+                TabCommand::Effect(Effect::LoadSession {
+                    path: second,
+                    slot: Slot::Other
+                }),
+            ]
+        );
+        assert!(t.marked.is_none());
     }
 }

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 
-use super::form::{Field, Form};
+use super::app::{EditTarget, Effect, Level, Tab};
+use super::command::{TabCommand, TabContext};
+use super::form::{Field, Form, Value};
 use super::keymap::Action;
 use crate::engine::episode::{ModeChoice, parse_value};
 use crate::engine::types::GenRole;
@@ -212,6 +214,50 @@ impl TrainTab {
         self.checkpoints.get(self.selected_checkpoint).cloned()
     }
 
+    /// Handle an action while this tab is in front.
+    pub fn handle(&mut self, a: Action, ctx: &TabContext) -> Vec<TabCommand> {
+        match a {
+            Action::StartTraining | Action::ResumeTraining => {
+                if self.is_running() {
+                    return vec![TabCommand::notify(
+                        Level::Warn,
+                        "training is already running",
+                    )];
+                }
+                match self.request(&ctx.model_path, a == Action::ResumeTraining) {
+                    Ok(r) => {
+                        self.started();
+                        vec![TabCommand::Effect(Effect::StartTraining(Box::new(r)))]
+                    }
+                    Err(e) => vec![TabCommand::Notify(Level::Warn, e)],
+                }
+            }
+            Action::StopTraining if self.is_running() => {
+                vec![TabCommand::Effect(Effect::StopTraining)]
+            }
+            Action::StopTraining => Vec::new(),
+            // The checkpoint becomes the app's model; the Run tab is where it is used.
+            Action::LoadCheckpoint => match self.selected_checkpoint() {
+                Some(p) => vec![TabCommand::LoadModel(p), TabCommand::ShowTab(Tab::Run)],
+                None => Vec::new(),
+            },
+            Action::Confirm => match self.form.current() {
+                Some(f) => match &f.value {
+                    Value::Text(t) => vec![TabCommand::Edit {
+                        target: EditTarget::TrainField(f.key),
+                        text: t.clone(),
+                    }],
+                    _ => Vec::new(),
+                },
+                None => Vec::new(),
+            },
+            _ => {
+                self.nav(a);
+                Vec::new()
+            }
+        }
+    }
+
     pub fn nav(&mut self, a: Action) {
         match (self.focus, a) {
             (_, Action::FocusNext) => {
@@ -266,6 +312,39 @@ pub fn scan_checkpoints(out: &Path) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loaded_checkpoint_becomes_the_model_and_shows_the_run_tab() {
+        let ctx = TabContext::ready();
+        let mut t = TrainTab::new(Path::new("runs"));
+        assert!(t.handle(Action::LoadCheckpoint, &ctx).is_empty());
+        let p = PathBuf::from("runs/grpo/checkpoint-5");
+        t.checkpoints = vec![p.clone()];
+        assert_eq!(
+            t.handle(Action::LoadCheckpoint, &ctx),
+            vec![TabCommand::LoadModel(p), TabCommand::ShowTab(Tab::Run)]
+        );
+    }
+
+    #[test]
+    fn training_starts_once_with_the_apps_model() {
+        let ctx = TabContext::ready();
+        let mut t = TrainTab::new(Path::new("runs"));
+        assert!(t.handle(Action::StopTraining, &ctx).is_empty());
+        match t.handle(Action::StartTraining, &ctx).as_slice() {
+            [TabCommand::Effect(Effect::StartTraining(r))] => assert_eq!(r.model, ctx.model_path),
+            other => panic!("{other:?}"),
+        }
+        assert!(t.is_running());
+        assert!(matches!(
+            t.handle(Action::StartTraining, &ctx).as_slice(),
+            [TabCommand::Notify(Level::Warn, m)] if m.contains("already running")
+        ));
+        assert_eq!(
+            t.handle(Action::StopTraining, &ctx),
+            vec![TabCommand::Effect(Effect::StopTraining)]
+        );
+    }
 
     #[test]
     fn form_becomes_a_grpo_config() {
