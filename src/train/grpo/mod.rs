@@ -5,9 +5,10 @@
 //! generated tokens only, optional KL to the starting policy and entropy bonus. `--mode real` is
 //! the actor-only baseline against the real environment.
 //!
-//! The pieces live by concept: `rollout.rs` (the tasks a step plays, the rollout sink),
-//! `batch.rs` (advantages, row weights, micro-batches), `step.rs` (the loss, grounding rows,
-//! checkpoints, the collapse stop). This file holds the settings and the run.
+//! One run repeats four steps ([`run_grpo`]): collect a group of episodes per task
+//! (`rollout.rs`), score their rows into a batch (`batch.rs`), optimise on it, then record,
+//! checkpoint and check for collapse (`step.rs`). This file holds the settings, their checks
+//! and the driver that reads as that outline.
 
 mod batch;
 mod rollout;
@@ -20,28 +21,20 @@ use serde::{Deserialize, Serialize};
 
 use super::TrainError;
 use super::checkpoint::Loaded;
-use super::metrics::{MetricsSink, StepMetrics};
-use super::model::{Example, TrainableModel};
-use super::optim::{AdamW, AdamWConfig};
-use crate::engine::driver::{ApprovalPolicy, PolicyApprover, share_model};
+use super::metrics::MetricsSink;
+use super::model::TrainableModel;
 use crate::engine::profile::PromptProfile;
-use crate::engine::runner::{
-    Episode, EpisodeConfig, EpisodeEnv, EpisodeIo, ModeChoice, Policy, launch,
-};
-use crate::engine::spec::task_spec;
+use crate::engine::runner::ModeChoice;
 use crate::engine::types::GenRole;
-use crate::env::domain_env::DomainEnv;
-use crate::runtime::chat_template::ChatTemplate;
 use crate::runtime::{CancelToken, LocalModel};
-use crate::session::{TrainingRow, training_rows};
 
 pub use batch::{ScoredRow, loss_advantage, role_advantages, row_weight};
 pub use rollout::{randomized_task, step_tasks, training_tasks};
 pub use step::collapsed;
 
-use batch::{Norms, micro_batch_end};
-use rollout::{RolloutSink, group_task};
-use step::{deep_copy, grounding_examples, micro_loss, save};
+use batch::{Scored, Trained};
+use rollout::Rollouts;
+use step::{Grounding, Learner, collapse_stop, deep_copy, optimizer, step_metrics};
 
 /// GRPO settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -233,6 +226,44 @@ pub fn config_changes(stored: &serde_json::Value, now: &GrpoConfig) -> Vec<Strin
         .collect()
 }
 
+impl GrpoConfig {
+    /// The checks on the settings alone (the frozen patterns are checked against the model's
+    /// parameter names when the optimizer is built).
+    fn validate(&self) -> Result<(), TrainError> {
+        if !(self.negative_weight >= 0.0 && self.negative_weight.is_finite()) {
+            return Err(TrainError::Data(format!(
+                "negative_weight {}: a finite weight ≥ 0 (`--negative-weight`)",
+                self.negative_weight
+            )));
+        }
+        if !(self.imitation >= 0.0 && self.imitation.is_finite()) {
+            return Err(TrainError::Data(format!(
+                "imitation {}: a finite weight ≥ 0 (`--imitation`)",
+                self.imitation
+            )));
+        }
+        if self.roles.is_empty() {
+            return Err(TrainError::Data(
+                "roles: no role to train (`--roles actor,simulator`)".into(),
+            ));
+        }
+        if self.sim_recall && self.mode != ModeChoice::Rehearse {
+            return Err(TrainError::Data(format!(
+                "sim_recall answers simulated calls from the record; mode {:?} simulates none \
+                 (`--sim-recall` needs `--mode rehearse`)",
+                self.mode
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.random_entities) {
+            return Err(TrainError::Data(format!(
+                "random_entities {}: a fraction between 0 and 1 (`--random-entities`)",
+                self.random_entities
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// What a run did.
 #[derive(Debug, Clone, Serialize)]
 pub struct GrpoReport {
@@ -265,125 +296,23 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         sink,
         cancel,
     } = run;
+    // Set up in this order: a bad run reports the first problem met, as it always has.
     let base = LocalModel::load_on(model_dir, &model.decoder.device, None)?;
     let profile = PromptProfile::read(model_dir).map_err(|e| TrainError::Data(e.to_string()))?;
     let tasks = training_tasks(cfg)?;
     let reference = (cfg.kl_coef > 0.0)
         .then(|| deep_copy(&model.decoder))
         .transpose()?;
-    let grounding = grounding_examples(cfg, &base)?;
-    if !grounding.is_empty() {
-        sink.log(&format!(
-            "grounding: {} shadow-mode simulator rows (real responses), weight {}",
-            grounding.len(),
-            cfg.grounding_coef
-        ));
-    }
-    if !(cfg.negative_weight >= 0.0 && cfg.negative_weight.is_finite()) {
-        return Err(TrainError::Data(format!(
-            "negative_weight {}: a finite weight ≥ 0 (`--negative-weight`)",
-            cfg.negative_weight
-        )));
-    }
-    if !(cfg.imitation >= 0.0 && cfg.imitation.is_finite()) {
-        return Err(TrainError::Data(format!(
-            "imitation {}: a finite weight ≥ 0 (`--imitation`)",
-            cfg.imitation
-        )));
-    }
-    if cfg.roles.is_empty() {
-        return Err(TrainError::Data(
-            "roles: no role to train (`--roles actor,simulator`)".into(),
-        ));
-    }
-    if cfg.sim_recall && cfg.mode != ModeChoice::Rehearse {
-        return Err(TrainError::Data(format!(
-            "sim_recall answers simulated calls from the record; mode {:?} simulates none \
-             (`--sim-recall` needs `--mode rehearse`)",
-            cfg.mode
-        )));
-    }
-    if !(0.0..=1.0).contains(&cfg.random_entities) {
-        return Err(TrainError::Data(format!(
-            "random_entities {}: a fraction between 0 and 1 (`--random-entities`)",
-            cfg.random_entities
-        )));
-    }
-    let grounding_lengths: Vec<usize> = grounding.iter().map(|e| e.ids.len()).collect();
-    let all = model.named_vars();
-    // A pattern that matches nothing is a typo, not a request to train everything.
-    if let Some(f) = cfg
-        .frozen
-        .iter()
-        .find(|f| !all.iter().any(|(name, _)| name.contains(f.as_str())))
-    {
-        return Err(TrainError::Data(format!(
-            "frozen `{f}`: no trainable parameter name contains it (names look like `{}`)",
-            all.first().map_or("", |(n, _)| n.as_str())
-        )));
-    }
-    let trainable: Vec<(String, candle_core::Var)> = all
-        .into_iter()
-        .filter(|(name, _)| !cfg.frozen.iter().any(|f| name.contains(f.as_str())))
-        .collect();
-    if trainable.is_empty() {
-        return Err(TrainError::Data(format!(
-            "frozen `{}`: every parameter is frozen, nothing left to train",
-            cfg.frozen.join(",")
-        )));
-    }
-    if !cfg.frozen.is_empty() {
-        let n: usize = trainable.iter().map(|(_, v)| v.elem_count()).sum();
-        sink.log(&format!(
-            "frozen: parameters matching {}; {n} left to train",
-            cfg.frozen.join(",")
-        ));
-    }
-    let mut opt = AdamW::new(
-        trainable,
-        AdamWConfig {
-            lr: cfg.lr,
-            weight_decay: 0.0,
-            ..Default::default()
-        },
-    )?;
-    let mut step = 0;
-    if let Some(l) = resume {
-        let changed = config_changes(&l.state.config, cfg);
-        if !changed.is_empty() {
-            return Err(TrainError::Checkpoint(format!(
-                "{}: resuming with a different configuration ({}) would not continue the run \
-                 it saved; pass the flags it started with (`config` in its trainer_state.json) \
-                 or start a new run",
-                l.dir.display(),
-                changed.join(", ")
-            )));
-        }
-        // Steps without reward signal make no optimizer update (and epochs > 1 make several):
-        // AdamW's bias correction needs its own count, not the trainer's step.
-        let opt_steps = l
-            .state
-            .rng
-            .get("optimizer_steps")
-            .and_then(serde_json::Value::as_u64)
-            .map_or(l.state.step, |n| n as usize);
-        opt.load_state(&l.optimizer, opt_steps)
-            .map_err(|m| TrainError::Checkpoint(format!("{}: {m}", l.dir.display())))?;
-        step = l.state.step;
-    }
-    sink.log(&match &model.lora {
-        Some(a) => format!(
-            "LoRA r={} alpha={} on {}: {} trainable parameters (base frozen)",
-            a.r,
-            a.lora_alpha,
-            a.target_modules.join(","),
-            model.trainable_parameters()
-        ),
-        None => format!(
-            "full fine-tuning: {} trainable parameters",
-            model.trainable_parameters()
-        ),
-    });
+    let grounding = Grounding::load(cfg, &base, sink)?;
+    cfg.validate()?;
+    let (opt, mut step) = optimizer(cfg, model, resume, sink)?;
+    let mut learner = Learner {
+        cfg,
+        model,
+        reference,
+        grounding,
+        opt,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -395,309 +324,57 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     let mut history: Vec<f64> = Vec::new();
     let tok_json = model_dir.join("tokenizer.json");
     let end_of_turn = base.tokenizer.token_to_id(&base.template.eos_token);
+    let rollouts = Rollouts {
+        cfg,
+        model,
+        model_dir,
+        base: &base,
+        profile: profile.as_ref(),
+        tasks: &tasks,
+        rt: &rt,
+        cancel,
+    };
     while step < cfg.steps {
-        if cancel.is_cancelled() {
-            stopped = "cancelled".into();
-            break;
-        }
-        if let Some(b) = cfg.time_budget_s
-            && t0.elapsed().as_secs_f64() > b
-        {
-            stopped = "time budget".into();
+        if let Some(reason) = interrupted(cfg, cancel, t0) {
+            stopped = reason;
             break;
         }
         let ts = Instant::now();
-        // 1. Rollouts with the current weights.
-        let template = ChatTemplate::new(
-            &base.template.source,
-            &base.template.bos_token,
-            &base.template.eos_token,
-        )?;
-        let view = LocalModel::from_parts(
-            model.decoder.clone(),
-            base.tokenizer.clone(),
-            template,
-            base.eos_ids.clone(),
-            model_dir,
-            format!("grpo-step-{step}"),
-        );
-        let shared = share_model(Box::new(view));
-        let mut groups: Vec<Vec<Vec<TrainingRow>>> = Vec::new();
-        let (mut reward_sum, mut n_eps, mut fmt_fail, mut actor_turns, mut sim_fail, mut sim_gens) =
-            (0.0, 0usize, 0usize, 0usize, 0usize, 0usize);
-        let (mut fid_sum, mut fid_n) = (0.0f64, 0usize);
-        for (ti, train_task) in step_tasks(&tasks, cfg.batch, cfg.seed, step)
-            .into_iter()
-            .enumerate()
-        {
-            let task = &group_task(cfg, train_task, step, ti)?;
-            let mut group = Vec::with_capacity(cfg.group);
-            for g in 0..cfg.group {
-                // The rollout's episode: the trainer's mode, turn limit and temperatures,
-                // every call approved, a seed per (step, task, group member).
-                let config = EpisodeConfig {
-                    max_turns: cfg.max_turns,
-                    actor_temperature: cfg.temperature,
-                    simulator_temperature: cfg.sim_temperature,
-                    recall_recorded: cfg.sim_recall,
-                    approve: ApprovalPolicy::Always,
-                    seed: cfg
-                        .seed
-                        .wrapping_mul(1_000_003)
-                        .wrapping_add((step * 10_007 + ti * 101 + g) as u64),
-                    ..EpisodeConfig::new(cfg.mode)
-                };
-                let policy = Policy {
-                    model: &shared,
-                    profile: profile.as_ref(),
-                };
-                let domain = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
-                // Rehearse: the simulator sees the task's recorded gold run (as in EnvACE).
-                let spec = task_spec(task, cfg.mode == ModeChoice::Rehearse)
-                    .map_err(|e| TrainError::Data(e.to_string()))?;
-                let mut env = DomainEnv::with_tasks(domain, vec![(*task).clone()]);
-                let mut sink_mem = RolloutSink::new(
-                    cfg.rollouts_dir.as_deref(),
-                    (step, g),
-                    task,
-                    policy,
-                    &config,
-                )?;
-                let mut approver = PolicyApprover(ApprovalPolicy::Always);
-                let io = EpisodeIo {
-                    env: EpisodeEnv::Domain(&mut env),
-                    sink: &mut sink_mem,
-                    approver: &mut approver,
-                    ui: None,
-                    cancel: cancel.clone(),
-                };
-                let outcome = rt
-                    .block_on(launch(
-                        policy,
-                        Episode::new(spec, Some(task.id.clone())),
-                        &config,
-                        io,
-                    ))
-                    .map_err(|e| TrainError::Data(format!("rollout: {e}")))?;
-                reward_sum += outcome.reward();
-                n_eps += 1;
-                fmt_fail += outcome.stats.actor_turns_failed;
-                actor_turns += outcome.stats.actor_turns;
-                sim_fail +=
-                    outcome.stats.simulator_format_failures + outcome.stats.simulator_rejections;
-                sim_gens += outcome.stats.simulator_generations;
-                // Shadow-mode rollouts compare each prediction with the real response.
-                for r in &sink_mem.mem.records {
-                    if let crate::session::EventBody::Fidelity { fidelity, .. } = &r.event {
-                        fid_sum += fidelity.value_agreement;
-                        fid_n += 1;
-                    }
-                }
-                group.push(training_rows(&sink_mem.mem.records));
-            }
-            groups.push(group);
-        }
-        episodes += n_eps;
-        let mean_reward = reward_sum / n_eps.max(1) as f64;
-        let mut rows: Vec<ScoredRow> = groups.iter().flat_map(|g| role_advantages(g)).collect();
-        // Fraction of generated tokens the copy mask leaves out of the policy term.
-        let mut copy_masked: Option<(f64, usize)> = None;
-        if cfg.mask_copies {
-            // `unmapped`: rows whose text did not map onto their tokens (multi-byte characters
-            // split across tokens); they train unmasked, and the metric says how many.
-            let (mut kept, mut total, mut unmapped) = (0usize, 0usize, 0usize);
-            for r in &mut rows {
-                r.policy_mask = super::copymask::copy_mask(
-                    &base.tokenizer,
-                    end_of_turn,
-                    &r.row.prompt_ids,
-                    &r.row.response_ids,
-                )
-                .map(|m| m.iter().zip(&r.row.loss_mask).map(|(a, b)| a & b).collect());
-                unmapped += usize::from(r.policy_mask.is_none());
-                total += r.row.loss_mask.iter().filter(|&&m| m == 1).count();
-                kept += r.policy_mask().iter().filter(|&&m| m == 1).count();
-            }
-            copy_masked = Some((1.0 - kept as f64 / total.max(1) as f64, unmapped));
-        }
-        let role_mean = |role: GenRole| {
-            let v: Vec<f64> = rows
-                .iter()
-                .filter(|r| r.row.role == role)
-                .map(|r| r.row.reward.unwrap_or(0.0))
-                .collect();
-            if v.is_empty() {
-                0.0
-            } else {
-                v.iter().sum::<f64>() / v.len() as f64
-            }
-        };
-        let adv: Vec<f64> = rows.iter().map(|r| r.advantage).collect();
-        let adv_abs = adv.iter().map(|a| a.abs()).sum::<f64>() / adv.len().max(1) as f64;
-        // 2. Optimise on rows that carry signal — and, with a KL term, on every row: a group
-        // whose episodes all succeeded has no advantage, and only the KL term holds what it
-        // does in place while the other groups' updates move the shared weights.
-        let signal = |r: &ScoredRow| row_weight(r, cfg) != 0.0;
-        let mut active: Vec<&ScoredRow> = rows
-            .iter()
-            .filter(|r| {
-                (cfg.kl_coef > 0.0 || signal(r))
-                    && !r.row.response_ids.is_empty()
-                    && cfg.roles.contains(&r.row.role)
-            })
-            .collect();
-        // Similar lengths together: a micro-batch is padded to its longest row.
-        active.sort_by_key(|r| r.row.prompt_ids.len() + r.row.response_ids.len());
-        let tokens = |r: &&ScoredRow| r.row.loss_mask.iter().map(|&m| f64::from(m)).sum::<f64>();
-        let policy_tokens =
-            |r: &&ScoredRow| r.policy_mask().iter().map(|&m| f64::from(m)).sum::<f64>();
-        let norms = Norms {
-            policy: active.iter().filter(|r| signal(r)).map(policy_tokens).sum(),
-            all: active.iter().map(tokens).sum(),
-        };
-        let with_signal = active.iter().filter(|r| signal(r)).count();
-        let norm = norms.all;
-        let (mut loss_v, mut kl_v, mut ent_v, mut gn) = (0.0, 0.0, 0.0, 0.0);
-        // First-epoch ratio diagnostics: on-policy rows should start at ratio 1.
-        let (mut ratio_gap, mut clipped) = (0.0, 0.0);
-        let mut trained_tokens = 0usize;
-        let mut grounding_nll: Option<f64> = None;
-        if norm > 0.0 || !grounding.is_empty() {
-            for epoch in 0..cfg.epochs.max(1) {
-                let mut acc: Option<candle_core::backprop::GradStore> = None;
-                if epoch == 0 && !grounding.is_empty() {
-                    let idx = super::sft::batch_indices(
-                        &grounding_lengths,
-                        cfg.grounding_batch.max(1),
-                        cfg.seed ^ 0x6772_6f75,
-                        step,
-                    );
-                    let batch: Vec<&Example> = idx.iter().map(|&i| &grounding[i]).collect();
-                    let (nll, n) = super::model::masked_nll(&model.decoder, &batch)?;
-                    grounding_nll = Some(nll.to_scalar::<f32>()? as f64);
-                    trained_tokens += n as usize;
-                    acc = Some(crate::runtime::train_pass::backward(
-                        &(nll * cfg.grounding_coef)?,
-                    )?);
-                }
-                let mut start = 0;
-                while start < active.len() {
-                    let end = micro_batch_end(&active, start, cfg.micro_batch_tokens);
-                    let toks: usize = active[start..end]
-                        .iter()
-                        .map(|r| r.row.prompt_ids.len() + r.row.response_ids.len())
-                        .sum();
-                    let ml = micro_loss(
-                        &model.decoder,
-                        reference.as_ref(),
-                        &active[start..end],
-                        cfg,
-                        norms,
-                    )?;
-                    loss_v += ml.loss.to_scalar::<f32>()? as f64;
-                    kl_v += ml.kl;
-                    ent_v += ml.entropy;
-                    if epoch == 0 {
-                        ratio_gap += ml.ratio_gap;
-                        clipped += ml.clipped;
-                    }
-                    trained_tokens += toks;
-                    let grads = crate::runtime::train_pass::backward(&ml.loss)?;
-                    acc = Some(match acc {
-                        None => grads,
-                        Some(mut a) => {
-                            for (_, v) in opt.params() {
-                                if let Some(g) = grads.get(v.as_tensor()) {
-                                    let sum = match a.get(v.as_tensor()) {
-                                        Some(prev) => (prev + g)?,
-                                        None => g.clone(),
-                                    };
-                                    a.insert(v.as_tensor(), sum);
-                                }
-                            }
-                            a
-                        }
-                    });
-                    start = end;
-                }
-                if let Some(grads) = acc {
-                    gn = opt.grad_norm(&grads)?;
-                    let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip {
-                        cfg.grad_clip / gn
-                    } else {
-                        1.0
-                    };
-                    opt.step(&grads, cfg.lr, scale)?;
-                }
-            }
-        }
+        // 1. Rollouts with the current weights: a group of episodes per task.
+        let played = rollouts.collect(step)?;
+        episodes += played.stats.episodes;
+        let mean_reward = played.stats.mean_reward();
+        // 2. The batch: role-wise advantages, copy masks, the rows that carry signal.
+        let scored = Scored::new(cfg, &played.groups, &base.tokenizer, end_of_turn);
+        let trained = Trained::select(&scored.rows, cfg);
+        // 3. Optimise.
+        let pass = learner.optimise(&trained, step)?;
         step += 1;
         if first.is_nan() {
             first = mean_reward;
         }
         last = mean_reward;
+        // 4. Record the step, checkpoint, stop on collapse.
         let secs = ts.elapsed().as_secs_f64();
-        let fmt_rate = fmt_fail as f64 / actor_turns.max(1) as f64;
-        let mut metrics = StepMetrics::new("grpo", step)
-            .with("reward", mean_reward)
-            .with("reward_actor", role_mean(GenRole::Actor))
-            .with("reward_simulator", role_mean(GenRole::Simulator))
-            .with("adv_abs_mean", adv_abs)
-            .with("rows", rows.len())
-            .with("rows_with_signal", with_signal)
-            .with("rows_trained", active.len())
-            .with("loss", loss_v)
-            .with("kl", kl_v)
-            .with("entropy", ent_v)
-            .with("grad_norm", gn)
-            .with("ratio_gap", ratio_gap / norm.max(1.0))
-            .with("clip_frac", clipped / norm.max(1.0))
-            .with("actor_format_error_rate", fmt_rate)
-            .with("sim_failure_rate", sim_fail as f64 / sim_gens.max(1) as f64)
-            .with("tokens_per_s", trained_tokens as f64 / secs.max(1e-9))
-            .with("seconds", secs);
-        if let Some(g) = grounding_nll {
-            metrics = metrics.with("grounding_nll", g);
-        }
-        if let Some((f, unmapped)) = copy_masked {
-            metrics = metrics
-                .with("copy_masked_frac", f)
-                .with("copy_mask_unmapped_rows", unmapped);
-        }
-        // Simulator fidelity (mean value agreement with the real response): shadow/real only.
-        if fid_n > 0 {
-            metrics = metrics.with("sim_fidelity", fid_sum / fid_n as f64);
-        }
-        sink.record(&metrics);
-        if let Some(dir) = out
-            && cfg.checkpoint_every > 0
-            && step % cfg.checkpoint_every == 0
-        {
-            save(
-                model,
-                &opt,
-                cfg,
-                &tok_json,
-                &dir.join(format!("checkpoint-{step}")),
-                step,
-            )?;
-        }
+        sink.record(&step_metrics(
+            step,
+            &played.stats,
+            &scored,
+            &trained,
+            &pass,
+            secs,
+        ));
+        learner.checkpoint(out, &tok_json, step)?;
         history.push(mean_reward);
-        if cfg.collapse_patience > 0
-            && let Some(msg) = collapsed(&history, cfg.collapse_patience, cfg.collapse_fraction)
-        {
-            stopped = msg;
-            sink.log(&stopped);
-            break;
-        }
-        if cfg.collapse_patience > 0 && fmt_rate > 0.5 && step > cfg.collapse_patience {
-            stopped = format!("collapse: actor format-error rate {fmt_rate:.2}");
+        let format_errors = played.stats.actor_format_error_rate();
+        if let Some(reason) = collapse_stop(cfg, &history, format_errors, step) {
+            stopped = reason;
             sink.log(&stopped);
             break;
         }
     }
     if let Some(dir) = out {
-        save(model, &opt, cfg, &tok_json, &dir.join("final"), step)?;
+        learner.save(&tok_json, &dir.join("final"), step)?;
     }
     Ok(GrpoReport {
         steps: step,
@@ -707,6 +384,19 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         stopped,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Why the run stops before its next step, if it does: cancelled, or out of its time budget.
+fn interrupted(cfg: &GrpoConfig, cancel: &CancelToken, t0: Instant) -> Option<String> {
+    if cancel.is_cancelled() {
+        return Some("cancelled".into());
+    }
+    if let Some(b) = cfg.time_budget_s
+        && t0.elapsed().as_secs_f64() > b
+    {
+        return Some("time budget".into());
+    }
+    None
 }
 
 #[cfg(test)]

@@ -1,27 +1,41 @@
 //! A step's rollouts: which train tasks the step plays (a seeded permutation per epoch,
-//! optionally a random-entity copy of each) and the sink that keeps each episode's events in
-//! memory and optionally writes them as a session file. Every draw here is a function of the
-//! seed and the step, so a resumed run plays the same tasks; this module must not draw from
-//! any other source.
+//! optionally a random-entity copy of each), G episodes per task through the engine's one
+//! launcher with the current weights — every call approved, a seed per (step, task, group
+//! member) — and each episode's session turned into training rows. Episodes are kept in memory
+//! and optionally written as session files. Every draw here is a function of the seed and the
+//! step, so a resumed run plays the same tasks with the same seeds; this module must not draw
+//! from any other source.
 
 use std::path::Path;
 
 use super::GrpoConfig;
-use crate::engine::runner::{EpisodeConfig, Policy, header};
+use crate::engine::driver::{ApprovalPolicy, PolicyApprover, SharedModel, share_model};
+use crate::engine::fsm::EpisodeOutcome;
+use crate::engine::profile::PromptProfile;
+use crate::engine::runner::{
+    Episode, EpisodeConfig, EpisodeEnv, EpisodeIo, ModeChoice, Policy, header, launch,
+};
+use crate::engine::spec::task_spec;
+use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
 use crate::env::tasks::{Split, Task, list_tasks};
+use crate::runtime::chat_template::ChatTemplate;
+use crate::runtime::{CancelToken, LocalModel};
 use crate::session::schema::{EventRecord, NewEvent};
-use crate::session::{EventSink, MemorySink, SessionError, SessionWriter};
+use crate::session::{
+    EventSink, MemorySink, SessionError, SessionWriter, TrainingRow, training_rows,
+};
 use crate::train::TrainError;
+use crate::train::model::TrainableModel;
 
 /// Keeps a rollout's events in memory and, when asked, also appends them to a session file.
-pub(super) struct RolloutSink {
-    pub(super) mem: MemorySink,
+struct RolloutSink {
+    mem: MemorySink,
     file: Option<SessionWriter>,
 }
 
 impl RolloutSink {
-    pub(super) fn new(
+    fn new(
         dir: Option<&Path>,
         (step, g): (usize, usize),
         task: &Task,
@@ -129,12 +143,7 @@ pub fn randomized_task(task: &Task, seed: u64) -> Result<Task, TrainError> {
 /// The task the `ti`-th group of step `step` plays: the train task itself, or with probability
 /// [`GrpoConfig::random_entities`] its [`randomized_task`] (deterministic in seed, step and
 /// position, so a resumed run plays the same tasks).
-pub(super) fn group_task(
-    cfg: &GrpoConfig,
-    task: &Task,
-    step: usize,
-    ti: usize,
-) -> Result<Task, TrainError> {
+fn group_task(cfg: &GrpoConfig, task: &Task, step: usize, ti: usize) -> Result<Task, TrainError> {
     use rand::{Rng, SeedableRng};
     if cfg.random_entities <= 0.0 {
         return Ok(task.clone());
@@ -146,6 +155,185 @@ pub(super) fn group_task(
         randomized_task(task, rng.random::<u64>())
     } else {
         Ok(task.clone())
+    }
+}
+
+/// The rollout's episode: the trainer's mode, turn limit and temperatures, every call approved,
+/// a seed per (step, task, group member).
+fn episode_config(cfg: &GrpoConfig, step: usize, ti: usize, g: usize) -> EpisodeConfig {
+    EpisodeConfig {
+        max_turns: cfg.max_turns,
+        actor_temperature: cfg.temperature,
+        simulator_temperature: cfg.sim_temperature,
+        recall_recorded: cfg.sim_recall,
+        approve: ApprovalPolicy::Always,
+        seed: cfg
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add((step * 10_007 + ti * 101 + g) as u64),
+        ..EpisodeConfig::new(cfg.mode)
+    }
+}
+
+/// Counts over a step's episodes, for its metrics and the collapse stop.
+#[derive(Debug, Clone, Default)]
+pub(super) struct RolloutStats {
+    pub episodes: usize,
+    reward_sum: f64,
+    actor_turns_failed: usize,
+    actor_turns: usize,
+    simulator_failures: usize,
+    simulator_generations: usize,
+    fidelity_sum: f64,
+    fidelity_n: usize,
+}
+
+impl RolloutStats {
+    /// Count one episode: its outcome and its session's events.
+    fn add(&mut self, outcome: &EpisodeOutcome, records: &[EventRecord]) {
+        self.reward_sum += outcome.reward();
+        self.episodes += 1;
+        self.actor_turns_failed += outcome.stats.actor_turns_failed;
+        self.actor_turns += outcome.stats.actor_turns;
+        self.simulator_failures +=
+            outcome.stats.simulator_format_failures + outcome.stats.simulator_rejections;
+        self.simulator_generations += outcome.stats.simulator_generations;
+        // Shadow-mode rollouts compare each prediction with the real response.
+        for r in records {
+            if let crate::session::EventBody::Fidelity { fidelity, .. } = &r.event {
+                self.fidelity_sum += fidelity.value_agreement;
+                self.fidelity_n += 1;
+            }
+        }
+    }
+
+    /// The mean episode reward (unscored episodes count 0).
+    pub fn mean_reward(&self) -> f64 {
+        self.reward_sum / self.episodes.max(1) as f64
+    }
+
+    /// The share of the actor's turns that failed to parse.
+    pub fn actor_format_error_rate(&self) -> f64 {
+        self.actor_turns_failed as f64 / self.actor_turns.max(1) as f64
+    }
+
+    /// The share of the simulator's generations that broke the format or were rejected.
+    pub fn sim_failure_rate(&self) -> f64 {
+        self.simulator_failures as f64 / self.simulator_generations.max(1) as f64
+    }
+
+    /// The simulator's mean value agreement with the real response: shadow/real only.
+    pub fn sim_fidelity(&self) -> Option<f64> {
+        (self.fidelity_n > 0).then(|| self.fidelity_sum / self.fidelity_n as f64)
+    }
+}
+
+/// What a step's rollouts produced: one group per task, one list of rows per episode.
+#[derive(Debug, Default)]
+pub(super) struct Played {
+    pub groups: Vec<Vec<Vec<TrainingRow>>>,
+    pub stats: RolloutStats,
+}
+
+/// Everything rollouts need besides the step: the run's settings, the model being trained and
+/// what it was loaded with, the tasks, and the runtime the engine runs on.
+pub(super) struct Rollouts<'a> {
+    pub cfg: &'a GrpoConfig,
+    pub model: &'a TrainableModel,
+    pub model_dir: &'a Path,
+    /// The model as loaded (tokenizer, chat template, end-of-sequence ids).
+    pub base: &'a LocalModel,
+    pub profile: Option<&'a PromptProfile>,
+    pub tasks: &'a [&'static Task],
+    pub rt: &'a tokio::runtime::Runtime,
+    pub cancel: &'a CancelToken,
+}
+
+impl Rollouts<'_> {
+    /// Play step `step`'s groups with the current weights.
+    pub fn collect(&self, step: usize) -> Result<Played, TrainError> {
+        let cfg = self.cfg;
+        let shared = self.current_policy(step)?;
+        let mut played = Played::default();
+        for (ti, train_task) in step_tasks(self.tasks, cfg.batch, cfg.seed, step)
+            .into_iter()
+            .enumerate()
+        {
+            let task = &group_task(cfg, train_task, step, ti)?;
+            let mut group = Vec::with_capacity(cfg.group);
+            for g in 0..cfg.group {
+                group.push(self.play(&shared, task, (step, ti, g), &mut played.stats)?);
+            }
+            played.groups.push(group);
+        }
+        Ok(played)
+    }
+
+    /// The model being trained, as the engine plays it: its current weights with the base's
+    /// tokenizer and template.
+    fn current_policy(&self, step: usize) -> Result<SharedModel, TrainError> {
+        let base = self.base;
+        let template = ChatTemplate::new(
+            &base.template.source,
+            &base.template.bos_token,
+            &base.template.eos_token,
+        )?;
+        let view = LocalModel::from_parts(
+            self.model.decoder.clone(),
+            base.tokenizer.clone(),
+            template,
+            base.eos_ids.clone(),
+            self.model_dir,
+            format!("grpo-step-{step}"),
+        );
+        Ok(share_model(Box::new(view)))
+    }
+
+    /// One episode of `task`, counted into `stats`; its training rows.
+    fn play(
+        &self,
+        shared: &SharedModel,
+        task: &Task,
+        (step, ti, g): (usize, usize, usize),
+        stats: &mut RolloutStats,
+    ) -> Result<Vec<TrainingRow>, TrainError> {
+        let cfg = self.cfg;
+        let config = episode_config(cfg, step, ti, g);
+        let policy = Policy {
+            model: shared,
+            profile: self.profile,
+        };
+        let domain = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
+        // Rehearse: the simulator sees the task's recorded gold run (as in EnvACE).
+        let spec = task_spec(task, cfg.mode == ModeChoice::Rehearse)
+            .map_err(|e| TrainError::Data(e.to_string()))?;
+        let mut env = DomainEnv::with_tasks(domain, vec![task.clone()]);
+        let mut sink_mem = RolloutSink::new(
+            cfg.rollouts_dir.as_deref(),
+            (step, g),
+            task,
+            policy,
+            &config,
+        )?;
+        let mut approver = PolicyApprover(ApprovalPolicy::Always);
+        let io = EpisodeIo {
+            env: EpisodeEnv::Domain(&mut env),
+            sink: &mut sink_mem,
+            approver: &mut approver,
+            ui: None,
+            cancel: self.cancel.clone(),
+        };
+        let outcome = self
+            .rt
+            .block_on(launch(
+                policy,
+                Episode::new(spec, Some(task.id.clone())),
+                &config,
+                io,
+            ))
+            .map_err(|e| TrainError::Data(format!("rollout: {e}")))?;
+        stats.add(&outcome, &sink_mem.mem.records);
+        Ok(training_rows(&sink_mem.mem.records))
     }
 }
 
