@@ -577,7 +577,10 @@ fn smollm2_gguf_dequantized_for_training_matches_the_inference_path() {
     let (fast, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
     // Both forms describe the same (tied) model: 134.5M parameters, the head not counted twice.
     assert!(fast.cfg.tie_word_embeddings);
-    assert_eq!(fast.cfg.parameter_count(), train.decoder.cfg.parameter_count());
+    assert_eq!(
+        fast.cfg.parameter_count(),
+        train.decoder.cfg.parameter_count()
+    );
     let ids: Vec<u32> = vec![
         1, 9690, 198, 504, 3575, 282, 4649, 314, 30, 2, 198, 1, 520, 9531,
     ];
