@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::mcp_client::{McpServerConfig, McpTransport};
+use super::tasks::read_json_file;
 use super::{EnvError, ToolResponse, ToolSpec};
 use crate::message::ToolCall;
 
@@ -150,9 +151,7 @@ pub fn load_mcp_task_file(path: &Path) -> Result<McpTaskFile, EnvError> {
         field: field.to_string(),
         message,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad("-", "-", e.to_string()))?;
-    let root: Value =
-        serde_json::from_str(&text).map_err(|e| bad("-", "-", format!("not JSON: {e}")))?;
+    let root = read_json_file(path)?;
     let server = match root.get("server") {
         None => None,
         Some(s) => Some(

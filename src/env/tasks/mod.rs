@@ -319,6 +319,18 @@ pub fn find_builtin(task_id: &str) -> Option<&'static Task> {
         .find(|t| t.id == task_id)
 }
 
+/// Read a task file as JSON (built-in format or MCP task file); errors name the file.
+pub(crate) fn read_json_file(path: &Path) -> Result<Value, EnvError> {
+    let bad = |message: String| EnvError::BadTask {
+        path: path.display().to_string(),
+        task: "-".into(),
+        field: "-".into(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))
+}
+
 /// Load and validate a task file: a JSON array of tasks, or `{"tasks": [...]}`.
 pub fn load_task_file(path: &Path) -> Result<Vec<Task>, EnvError> {
     let shown = path.display().to_string();
@@ -328,9 +340,7 @@ pub fn load_task_file(path: &Path) -> Result<Vec<Task>, EnvError> {
         field: field.to_string(),
         message,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad("-", "-", e.to_string()))?;
-    let root: Value =
-        serde_json::from_str(&text).map_err(|e| bad("-", "-", format!("not JSON: {e}")))?;
+    let root = read_json_file(path)?;
     let items = match &root {
         Value::Array(a) => a.clone(),
         Value::Object(o) => match o.get("tasks") {

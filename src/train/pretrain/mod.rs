@@ -76,13 +76,7 @@ impl Default for PretrainConfig {
                 memory_fraction: 0.4,
                 slip_fraction: 0.3,
                 copy_per_task: 1.0,
-                recorded_fraction: 0.0,
-                random_copy_fraction: 0.0,
-                random_entity_fraction: 0.0,
-                tool_drills_per_task: 0.0,
-                tool_drill_style: Default::default(),
-                template: CorpusTemplate::Compact,
-                seed: 0,
+                ..CorpusConfig::default()
             },
             sft: SftConfig {
                 steps: 3000,
