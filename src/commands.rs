@@ -708,7 +708,8 @@ pub async fn fork(a: ForkArgs) -> Result<()> {
             approve: a.approve,
             ..EpisodeConfig::default()
         },
-    );
+    )
+    .with_context(|| format!("{}: line 1", a.session.display()))?;
     config.approve = a.approve;
     if let Some(seed) = a.seed {
         config.seed = seed;

@@ -163,7 +163,7 @@ fn a_fork_at_the_start_reproduces_the_original() {
         .find(|(_, m)| m.role == Role::User)
         .map(|(e, _)| e.id.clone())
         .unwrap();
-    let opts = recorded_config(&o.header, &EpisodeConfig::default());
+    let opts = recorded_config(&o.header, &EpisodeConfig::default()).unwrap();
     assert_eq!(opts, EpisodeConfig::default());
     let (out, r) = fork(
         &m,
@@ -500,7 +500,7 @@ fn the_recorded_configuration_is_the_one_that_ran() {
     record(&m, profile.as_ref(), &config, &original);
     let o = read_session(&original).unwrap();
     assert_eq!(
-        recorded_config(&o.header, &EpisodeConfig::default()),
+        recorded_config(&o.header, &EpisodeConfig::default()).unwrap(),
         config
     );
     let mut v1 = o.header.clone();
@@ -512,11 +512,22 @@ fn the_recorded_configuration_is_the_one_that_ran() {
             approve: ApprovalPolicy::Auto,
             ..EpisodeConfig::default()
         },
-    );
+    )
+    .unwrap();
     // The engine seeds the rehearsal sampler from the episode seed; the rest is the same.
     let mut expected = config.clone();
     if let envace::engine::types::Mode::Shadow(l) = &mut expected.mode {
         l.private_rehearsal.as_mut().unwrap().sampling.seed = 3;
     }
     assert_eq!(back, expected);
+    // A recorded configuration that does not parse or validate is an error naming the field,
+    // never a silent fallback to defaults.
+    let mut bad = o.header.clone();
+    bad.episode.as_mut().unwrap()["max_turns"] = json!("eight");
+    let e = recorded_config(&bad, &EpisodeConfig::default()).unwrap_err();
+    assert!(e.to_string().starts_with("header.episode:"), "{e}");
+    let mut bad = o.header.clone();
+    bad.episode.as_mut().unwrap()["max_turns"] = json!(0);
+    let e = recorded_config(&bad, &EpisodeConfig::default()).unwrap_err();
+    assert!(e.to_string().starts_with("max_turns:"), "{e}");
 }

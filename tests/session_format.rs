@@ -471,7 +471,7 @@ fn a_version_1_session_still_reads_and_gives_its_configuration() {
     let replay = render_replay(&s);
     assert!(replay.contains("bank-test-0004"), "{replay}");
     // The configuration is recovered from the version-1 engine configuration.
-    let c = recorded_config(&s.header, &EpisodeConfig::default());
+    let c = recorded_config(&s.header, &EpisodeConfig::default()).unwrap();
     assert_eq!(c.mode_choice(), ModeChoice::Shadow);
     let pr = c.rehearsal().unwrap();
     assert_eq!(pr.branches, 2);

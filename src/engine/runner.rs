@@ -200,33 +200,40 @@ pub fn header(
 }
 
 /// The episode configuration a session was recorded with: its header's `episode` (written
-/// since format version 2), else recovered from the version-1 engine configuration
-/// ([`EpisodeConfig::from_engine`]) with `approve` from `fallback`; else `fallback` with the
-/// header's seed and mode.
-pub fn recorded_config(header: &SessionHeader, fallback: &EpisodeConfig) -> EpisodeConfig {
-    if let Some(c) = header
-        .episode
-        .as_ref()
-        .and_then(|v| serde_json::from_value::<EpisodeConfig>(v.clone()).ok())
-    {
-        return c;
+/// since format version 2; one that does not parse or validate is an error naming the field),
+/// else recovered from the version-1 engine configuration ([`EpisodeConfig::from_engine`]) with
+/// `approve` from `fallback`; else (a version-1 engine configuration this build cannot read)
+/// `fallback` with the header's seed and mode.
+pub fn recorded_config(
+    header: &SessionHeader,
+    fallback: &EpisodeConfig,
+) -> Result<EpisodeConfig, ConfigError> {
+    if let Some(v) = &header.episode {
+        let c = serde_json::from_value::<EpisodeConfig>(v.clone()).map_err(|e| {
+            ConfigError::Invalid {
+                field: "header.episode",
+                problem: e.to_string(),
+            }
+        })?;
+        c.validate()?;
+        return Ok(c);
     }
     if let Ok(engine) = serde_json::from_value::<EngineConfig>(header.config.clone()) {
-        return EpisodeConfig {
+        return Ok(EpisodeConfig {
             seed: header.seed,
             ..EpisodeConfig::from_engine(&engine, fallback.approve)
-        };
+        });
     }
     let mode = match header.mode.as_str() {
         "rehearse" => ModeChoice::Rehearse,
         "shadow" => ModeChoice::Shadow,
         _ => ModeChoice::Real,
     };
-    EpisodeConfig {
+    Ok(EpisodeConfig {
         seed: header.seed,
         approve: fallback.approve,
         ..EpisodeConfig::new(mode)
-    }
+    })
 }
 
 /// Run a built-in domain task, writing its session to `out`.

@@ -608,7 +608,8 @@ fn start_run(ctx: &mut Ctx, job: Job) {
                         }),
                     };
                     let config = match crate::session::read_session(&req.session) {
-                        Ok(original) => fork_config(&original.header, &f.config),
+                        Ok(original) => fork_config(&original.header, &f.config)
+                            .map_err(|e| format!("{}: line 1: {e}", req.session.display()))?,
                         Err(e) => return Err(e.to_string()),
                     };
                     let policy = Policy {
@@ -652,11 +653,14 @@ fn start_run(ctx: &mut Ctx, job: Job) {
 
 /// A fork's configuration: the original's recorded one, with the Run tab's approval gate
 /// (who is asked is the person at the TUI, not the original's headless policy).
-fn fork_config(original: &crate::session::SessionHeader, tab: &EpisodeConfig) -> EpisodeConfig {
+fn fork_config(
+    original: &crate::session::SessionHeader,
+    tab: &EpisodeConfig,
+) -> Result<EpisodeConfig, crate::engine::episode::ConfigError> {
     let gate = tab.mode.live().map(|l| l.approval).unwrap_or_default();
-    let mut config = recorded_config(original, tab).with_gate(gate);
+    let mut config = recorded_config(original, tab)?.with_gate(gate);
     config.approve = tab.approve;
-    config
+    Ok(config)
 }
 
 async fn run_request(
