@@ -4,6 +4,7 @@
 pub mod cancel;
 pub mod engine;
 pub mod env;
+pub mod export;
 pub mod message;
 pub mod runtime;
 pub mod session;
