@@ -232,15 +232,30 @@ pub struct EvalArgs {
 
 #[derive(Debug, Args)]
 pub struct ExportArgs {
-    pub file: PathBuf,
+    /// Session files or directories (their *.jsonl). `openai`: exactly one file.
+    pub files: Vec<PathBuf>,
+    /// `openai` (JSONL conversations) or `verl` (parquet rows for verl and the EnvACE reference).
     #[arg(long, default_value = "openai")]
     pub format: String,
-    /// Output file (default: stdout).
+    /// Output file (default: stdout; `verl`: required, a .parquet file).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Also export the simulator's generations as their own conversations.
+    /// Also export the simulator's generations as their own conversations / rows.
     #[arg(long)]
     pub include_simulator: bool,
+    /// `verl`: export built-in tasks instead of sessions (comma-separated domains).
+    #[arg(long, value_delimiter = ',')]
+    pub tasks: Vec<String>,
+    /// `verl` with --tasks: `train`, `test` or `all`.
+    #[arg(long, default_value = "train")]
+    pub split: String,
+    /// `verl` with --tasks: at most N tasks per domain and split.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// `verl`: also write the rows as JSON (the reference's tool simulator loads this copy; give
+    /// it the rows of every split, e.g. a second export with --split all).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

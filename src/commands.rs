@@ -21,7 +21,7 @@ use envace::env::Environment;
 use envace::env::domains::Domain;
 use envace::env::mcp_client::{McpEnv, load_mcp_task_file};
 use envace::env::tasks::{Split, find_builtin};
-use envace::runtime::{CancelToken, DeviceChoice, LocalModel};
+use envace::runtime::{CancelToken, DeviceChoice};
 use envace::session::{SessionWriter, default_sessions_dir, replay_text, resolve_session_path};
 
 /// How the binary's exit status reports an episode command (README, "Exit codes"): returned as
@@ -186,10 +186,21 @@ pub fn load_model(
     path: &Path,
     device: DeviceChoice,
 ) -> Result<(SharedModel, Option<PromptProfile>)> {
-    let model = LocalModel::load(path, device)
+    let model = envace::runtime::openai::open_model(path, device)
         .with_context(|| format!("loading model {}", path.display()))?;
-    let profile = PromptProfile::read(path)?;
-    Ok((share_model(Box::new(model)), profile))
+    let profile = PromptProfile::for_model(path)?;
+    Ok((share_model(model), profile))
+}
+
+/// Training needs the weights here: a served model is not trainable.
+fn require_local(path: &Path) -> Result<()> {
+    if envace::runtime::openai::is_remote(&path.to_string_lossy()) {
+        bail!(
+            "{}: a remote (openai:) model is not trainable here; train a local copy, or export sessions with `envace export --format verl` and train on a GPU node (docs/SCALE.md)",
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 fn outcome_json(o: &EpisodeOutcome, session: &Path) -> serde_json::Value {
@@ -382,10 +393,12 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
     }
     // An evaluation succeeds when every episode got its verdict; agent failures are its data.
     use envace::engine::types::EndReason;
-    let failed: Vec<&str> = outcomes
+    let failed: Vec<(&str, &str)> = outcomes
         .iter()
-        .filter(|(_, o)| matches!(o.end, EndReason::Failed { .. }))
-        .map(|(id, _)| id.as_str())
+        .filter_map(|(id, o)| match &o.end {
+            EndReason::Failed { message } => Some((id.as_str(), message.as_str())),
+            _ => None,
+        })
         .collect();
     if cancel.is_cancelled() {
         return Err(Exit {
@@ -398,9 +411,11 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         return Err(Exit {
             code: EXIT_ENVIRONMENT,
             message: format!(
-                "{} episodes failed on environment or model errors: {}",
+                "{} episodes failed on environment or model errors: {} (first: {}: {})",
                 failed.len(),
-                failed.join(", ")
+                failed.iter().map(|f| f.0).collect::<Vec<_>>().join(", "),
+                failed[0].0,
+                failed[0].1
             ),
         }
         .into());
@@ -409,9 +424,78 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
 }
 
 pub fn export(a: ExportArgs) -> Result<()> {
-    if a.format != "openai" {
-        bail!("--format `{}`: only `openai` is supported", a.format);
+    match a.format.as_str() {
+        "openai" => export_openai(a),
+        "verl" => export_verl(a),
+        other => bail!("--format `{other}`: `openai` or `verl`"),
     }
+}
+
+/// `envace export --format verl`: built-in tasks (`--tasks`) or sessions, as parquet rows.
+fn export_verl(a: ExportArgs) -> Result<()> {
+    use envace::export::verl;
+    let out = a
+        .out
+        .as_deref()
+        .context("--format verl writes a parquet file: --out FILE.parquet")?;
+    let rows = if a.tasks.is_empty() {
+        if a.files.is_empty() {
+            bail!("--format verl: give session files or directories, or --tasks DOMAINS");
+        }
+        let mut paths = Vec::new();
+        for f in &a.files {
+            if f.is_dir() {
+                let mut v: Vec<PathBuf> = std::fs::read_dir(f)
+                    .with_context(|| format!("reading {}", f.display()))?
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+                    .collect();
+                v.sort();
+                paths.extend(v);
+            } else {
+                paths.push(f.clone());
+            }
+        }
+        verl::rows_from_sessions(&paths, a.include_simulator)?
+    } else {
+        if !a.files.is_empty() {
+            bail!("--tasks exports built-in tasks: give no session files with it");
+        }
+        let splits: &[Split] = match a.split.as_str() {
+            "train" => &[Split::Train],
+            "test" => &[Split::Test],
+            "all" => &[Split::Train, Split::Test],
+            other => bail!("--split: `{other}` (train, test or all)"),
+        };
+        let mut rows = Vec::new();
+        for d in &a.tasks {
+            let domain = Domain::from_name(d).with_context(|| format!("--tasks: `{d}`"))?;
+            for &split in splits {
+                rows.extend(verl::rows_from_tasks(domain, split, a.limit)?);
+            }
+        }
+        // One index across domains and splits (the task id stays in `original_index`).
+        for (i, r) in rows.iter_mut().enumerate() {
+            r.extra_info.index = i as i64;
+        }
+        rows
+    };
+    verl::write_parquet(&rows, out)?;
+    if let Some(j) = &a.json {
+        verl::write_json(&rows, j)?;
+    }
+    eprintln!("{} rows → {}", rows.len(), out.display());
+    Ok(())
+}
+
+fn export_openai(a: ExportArgs) -> Result<()> {
+    let [file] = a.files.as_slice() else {
+        bail!(
+            "--format openai exports one session file (got {})",
+            a.files.len()
+        );
+    };
     let opts = envace::session::export::ExportOptions {
         include_simulator: a.include_simulator,
         ..Default::default()
@@ -420,9 +504,9 @@ pub fn export(a: ExportArgs) -> Result<()> {
         Some(p) => {
             let mut f =
                 std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
-            envace::session::export_openai(&a.file, &mut f, &opts)?
+            envace::session::export_openai(file, &mut f, &opts)?
         }
-        None => envace::session::export_openai(&a.file, &mut std::io::stdout(), &opts)?,
+        None => envace::session::export_openai(file, &mut std::io::stdout(), &opts)?,
     };
     eprintln!("{n} records");
     Ok(())
@@ -443,6 +527,7 @@ fn trainable_model(
 )> {
     use envace::train::lora::LoraConfig;
     use envace::train::model::TrainableModel;
+    require_local(model)?;
     Ok(match resume {
         Some(path) => {
             // A run directory resumes from its latest complete checkpoint.

@@ -12,7 +12,7 @@ use clap::Parser;
 use cli::{BenchCommand, Cli, Command, EvalArgs, EvalCommand, GenerateArgs};
 use envace::env::cli as env_cli;
 use envace::message::Message;
-use envace::runtime::{CancelToken, LanguageModel, LocalModel, SamplingParams};
+use envace::runtime::{CancelToken, LocalModel, SamplingParams};
 
 /// Exit statuses: 0 success, 1 the episode did not succeed, 2 bad input or set-up, 3 the
 /// environment or model failed, 130 interrupted (`commands::exit_code`; README "Exit codes").
@@ -235,19 +235,24 @@ fn tokio_runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let mut model = LocalModel::load(&a.model, a.device)
+    let mut model = envace::runtime::openai::open_model(&a.model, a.device)
         .with_context(|| format!("loading {}", a.model.display()))?;
-    let prompt = if a.raw {
-        a.prompt.clone()
-    } else {
-        let mut msgs = Vec::new();
-        if let Some(s) = &a.system {
-            msgs.push(Message::system(s.clone()));
-        }
-        msgs.push(Message::user(a.prompt.clone()));
-        model.render_chat(&msgs, &[], true, false)?
+    let mut msgs = Vec::new();
+    if let Some(s) = &a.system {
+        msgs.push(Message::system(s.clone()));
+    }
+    msgs.push(Message::user(a.prompt.clone()));
+    let chat = envace::runtime::ChatPrompt {
+        messages: &msgs,
+        tools: &[],
+        enable_thinking: false,
     };
-    let ids = model.encode(&prompt)?;
+    // --raw: the prompt text as it is (a local model or a completions backend encodes it).
+    let raw_ids = if a.raw {
+        Some(model.encode(&a.prompt)?)
+    } else {
+        None
+    };
     let params = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -258,23 +263,26 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     let cancel = CancelToken::new();
     let t = Instant::now();
-    let gens = if a.json || a.branches > 1 {
-        model.generate(&ids, a.branches, &params, None, &cancel)?
-    } else {
-        let mut out = std::io::stdout();
-        let mut sink = |_: usize, s: &str| {
-            let _ = out.write_all(s.as_bytes());
-            let _ = out.flush();
-        };
-        let g = model.generate(&ids, 1, &params, Some(&mut sink), &cancel)?;
-        println!();
-        g
+    let mut out = std::io::stdout();
+    let mut sink = |_: usize, s: &str| {
+        let _ = out.write_all(s.as_bytes());
+        let _ = out.flush();
     };
+    let streamed = !(a.json || a.branches > 1);
+    let stream: Option<envace::runtime::StreamSink<'_>> =
+        if streamed { Some(&mut sink) } else { None };
+    let gens = match &raw_ids {
+        Some(ids) => model.generate(ids, a.branches, &params, stream, &cancel)?,
+        None => model.generate_chat(&chat, a.branches, &params, stream, &cancel)?,
+    };
+    if streamed {
+        println!();
+    }
     let secs = t.elapsed().as_secs_f64();
     let tokens: usize = gens.iter().map(|g| g.response_ids.len()).sum();
     if a.json {
         let mut obj = serde_json::json!({
-            "prompt_tokens": ids.len(),
+            "prompt_tokens": gens.first().map_or(0, |g| g.prompt_ids.len()),
             "tokens": tokens,
             "tokens_per_s": tokens as f64 / secs.max(1e-9),
             "seconds": secs,

@@ -13,7 +13,7 @@ use crate::engine::parse::parse_actor;
 use crate::engine::prompts::tools_json;
 use crate::env::bfcl::{BfclEntry, BfclResponder, BfclResponse, BoxError};
 use crate::runtime::{
-    CancelToken, DeviceChoice, LanguageModel, LocalModel, RuntimeError, SamplingParams,
+    CancelToken, ChatPrompt, DeviceChoice, LanguageModel, LocalModel, RuntimeError, SamplingParams,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -48,13 +48,15 @@ impl<M: LanguageModel> ModelResponder<M> {
     /// One entry's response: the calls parsed from the generation, and the generation itself.
     pub fn answer(&mut self, entry: &BfclEntry) -> Result<BfclResponse, RuntimeError> {
         let tools = tools_json(&entry.tools());
-        let prompt = self
-            .model
-            .render_chat(&entry.messages(), &tools, true, false)?;
-        let ids = self.model.encode(&prompt)?;
+        let messages = entry.messages();
+        let chat = ChatPrompt {
+            messages: &messages,
+            tools: &tools,
+            enable_thinking: false,
+        };
         let text = self
             .model
-            .generate(&ids, 1, &self.params, None, &self.cancel)?
+            .generate_chat(&chat, 1, &self.params, None, &self.cancel)?
             .into_iter()
             .next()
             .map(|g| g.text)
@@ -83,6 +85,11 @@ pub fn load_responder(
     let device: DeviceChoice = device
         .parse()
         .map_err(|_| BfclEvalError::Device(device.to_string()))?;
+    let spec = path.to_string_lossy();
+    if crate::runtime::openai::is_remote(&spec) {
+        let model = crate::runtime::openai::RemoteModel::open(&spec)?;
+        return Ok(Box::new(ModelResponder::new(model, max_tokens)));
+    }
     let model = LocalModel::load(path, device)?;
     Ok(Box::new(ModelResponder::new(model, max_tokens)))
 }

@@ -21,7 +21,7 @@ use super::fsm::{
 };
 use super::types::{Decision, GenRole, Mode, ScoredBy};
 use crate::env::{Environment, EpisodeTrace, Score};
-use crate::runtime::{CancelToken, Generation, LanguageModel};
+use crate::runtime::{CancelToken, ChatPrompt, Generation, LanguageModel};
 use crate::session::{EventRecord, EventSink, SessionError};
 
 /// A model shared between the driver and its blocking generation threads.
@@ -279,7 +279,8 @@ impl Driver<'_> {
     }
 }
 
-/// Render, encode and generate on the calling (blocking) thread.
+/// Generate on the calling (blocking) thread (a local model renders and encodes the chat; a
+/// chat-completions server gets the messages).
 fn run_generation(
     model: &SharedModel,
     req: &GenerateRequest,
@@ -289,10 +290,11 @@ fn run_generation(
     let mut m = model
         .lock()
         .map_err(|_| "the model lock is poisoned (an earlier generation panicked)".to_string())?;
-    let prompt = m
-        .render_chat(&req.messages, &req.tools, true, req.enable_thinking)
-        .map_err(|e| e.to_string())?;
-    let ids = m.encode(&prompt).map_err(|e| e.to_string())?;
+    let chat = ChatPrompt {
+        messages: &req.messages,
+        tools: &req.tools,
+        enable_thinking: req.enable_thinking,
+    };
     let (request, role, branch) = (req.id, req.role, req.branch);
     let mut stream = |index: usize, text: &str| {
         if let Some(tx) = &ui {
@@ -305,7 +307,7 @@ fn run_generation(
             });
         }
     };
-    m.generate(&ids, req.n, &req.sampling, Some(&mut stream), cancel)
+    m.generate_chat(&chat, req.n, &req.sampling, Some(&mut stream), cancel)
         .map_err(|e| e.to_string())
 }
 

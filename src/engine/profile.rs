@@ -37,6 +37,23 @@ impl PromptProfile {
         }
     }
 
+    /// The profile of a model spec: beside a local model, or beside the `&tokenizer=` of a
+    /// remote (`openai:`) one (a served model fine-tuned here speaks its profile); `None` for a
+    /// remote model without a local tokenizer.
+    pub fn for_model(spec: &Path) -> Result<Option<Self>, ProfileError> {
+        let s = spec.to_string_lossy();
+        if !crate::runtime::openai::is_remote(&s) {
+            return Self::read(spec);
+        }
+        match crate::runtime::openai::RemoteSpec::parse(&s)
+            .ok()
+            .and_then(|r| r.tokenizer)
+        {
+            Some(t) => Self::read(&t),
+            None => Ok(None),
+        }
+    }
+
     /// Read `envace.json` from a model directory (or the directory of a model file).
     pub fn read(model_path: &Path) -> Result<Option<Self>, ProfileError> {
         let dir = if model_path.is_dir() {

@@ -40,6 +40,9 @@ pub enum RuntimeError {
     Device(String),
     #[error("generation: {0}")]
     Generation(String),
+    /// A remote (OpenAI-compatible) server refused, failed or answered nonsense.
+    #[error("{url}: {message}")]
+    Remote { url: String, message: String },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -99,6 +102,16 @@ pub struct ModelInfo {
 /// character.
 pub type StreamSink<'a> = &'a mut dyn FnMut(usize, &str);
 
+/// One chat turn to continue: what [`LanguageModel::generate_chat`] renders (locally) or sends
+/// (to a chat-completions server).
+#[derive(Debug, Clone, Copy)]
+pub struct ChatPrompt<'a> {
+    pub messages: &'a [Message],
+    /// OpenAI-style function entries (`ToolSpec::to_openai_json`).
+    pub tools: &'a [serde_json::Value],
+    pub enable_thinking: bool,
+}
+
 /// A model that can play both EnvACE roles.
 pub trait LanguageModel: Send {
     fn info(&self) -> ModelInfo;
@@ -124,4 +137,20 @@ pub trait LanguageModel: Send {
         stream: Option<StreamSink<'_>>,
         cancel: &CancelToken,
     ) -> Result<Vec<Generation>, RuntimeError>;
+
+    /// `n` continuations of a chat (with the generation prompt added). The default renders it
+    /// with [`Self::render_chat`], encodes and calls [`Self::generate`]; a chat-completions
+    /// server gets the messages themselves.
+    fn generate_chat(
+        &mut self,
+        chat: &ChatPrompt<'_>,
+        n: usize,
+        params: &SamplingParams,
+        stream: Option<StreamSink<'_>>,
+        cancel: &CancelToken,
+    ) -> Result<Vec<Generation>, RuntimeError> {
+        let prompt = self.render_chat(chat.messages, chat.tools, true, chat.enable_thinking)?;
+        let ids = self.encode(&prompt)?;
+        self.generate(&ids, n, params, stream, cancel)
+    }
 }

@@ -1,7 +1,7 @@
 //! The local model runtime: one trainable llama-family decoder (Llama, Qwen2, Qwen3 variants),
 //! GGUF models, tokenizers, chat templates, seeded sampling and batched, forkable generation.
-//! Everything above talks to a model through [`LanguageModel`], so an OpenAI-compatible server
-//! (vLLM/SGLang) can later stand behind the same seam.
+//! Everything above talks to a model through [`LanguageModel`]; an OpenAI-compatible server
+//! (vLLM, SGLang, llama.cpp's server) stands behind the same seam ([`openai`]).
 
 pub mod backend;
 pub mod bench;
@@ -16,6 +16,7 @@ pub mod infer;
 pub mod kv_cache;
 pub mod loader;
 pub mod model;
+pub mod openai;
 pub mod quant_tiles;
 pub mod sampler;
 pub mod tokenizer;
@@ -24,8 +25,8 @@ pub mod train_attention;
 pub mod train_pass;
 
 pub use backend::{
-    CancelToken, FinishReason, Generation, LanguageModel, ModelInfo, RuntimeError, SamplingParams,
-    StreamSink,
+    CancelToken, ChatPrompt, FinishReason, Generation, LanguageModel, ModelInfo, RuntimeError,
+    SamplingParams, StreamSink,
 };
 pub use device::DeviceChoice;
 pub use model::LocalModel;

@@ -18,8 +18,8 @@ use super::decoder::Decoder;
 use super::device::{DeviceChoice, default_dtype, describe};
 use super::generate::{GenContext, Prefix, generate_batch};
 use super::loader::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointFiles, attach_adapter, hash_files, is_adapter_dir,
-    load_gguf, load_hf, read_adapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, hash_files,
+    is_adapter_dir, load_gguf, load_hf, read_adapter,
 };
 use super::tokenizer::Tokenizer;
 use crate::message::Message;
@@ -154,27 +154,7 @@ impl LocalModel {
     fn load_gguf(path: &Path, device: &Device) -> Result<Self, RuntimeError> {
         let (decoder, ct) = load_gguf(path, device)?;
         let tokenizer = tokenizer_of_gguf(path, &ct)?;
-        let token_str = |key: &str| -> String {
-            ct.metadata
-                .get(key)
-                .and_then(|v| v.to_u32().ok())
-                .and_then(|id| tokenizer.id_to_token(id))
-                .unwrap_or_default()
-        };
-        let bos = token_str("tokenizer.ggml.bos_token_id");
-        let eos = token_str("tokenizer.ggml.eos_token_id");
-        let template = match ct
-            .metadata
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.to_string().ok())
-        {
-            Some(src) => ChatTemplate::new(src, &bos, &eos).map_err(|e| RuntimeError::Field {
-                path: path.display().to_string(),
-                field: "tokenizer.chat_template".into(),
-                message: e.to_string(),
-            })?,
-            None => ChatTemplate::chatml(),
-        };
+        let template = gguf_template(path, &ct, &tokenizer)?;
         let eos_ids = decoder.cfg.eos_token_ids.clone();
         let hash = hash_files(&[path.to_path_buf()])?;
         Self::finish(decoder, tokenizer, template, eos_ids, path, hash, path)
@@ -357,6 +337,101 @@ fn tokenizer_of_gguf(
         message: format!("cannot build tokenizer: {e}"),
     })?;
     Ok(Tokenizer::from_inner(inner))
+}
+
+/// The chat template a GGUF file carries (`tokenizer.chat_template`; ChatML when it has none).
+fn gguf_template(
+    path: &Path,
+    ct: &candle_core::quantized::gguf_file::Content,
+    tokenizer: &Tokenizer,
+) -> Result<ChatTemplate, RuntimeError> {
+    let token_str = |key: &str| -> String {
+        ct.metadata
+            .get(key)
+            .and_then(|v| v.to_u32().ok())
+            .and_then(|id| tokenizer.id_to_token(id))
+            .unwrap_or_default()
+    };
+    let bos = token_str("tokenizer.ggml.bos_token_id");
+    let eos = token_str("tokenizer.ggml.eos_token_id");
+    match ct
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+    {
+        Some(src) => ChatTemplate::new(src, &bos, &eos).map_err(|e| RuntimeError::Field {
+            path: path.display().to_string(),
+            field: "tokenizer.chat_template".into(),
+            message: e.to_string(),
+        }),
+        None => Ok(ChatTemplate::chatml()),
+    }
+}
+
+/// A model's text side without its weights: what a remote backend needs to render prompts
+/// exactly as [`LocalModel`] would (tokenizer, chat template with its tool rendering).
+#[derive(Debug)]
+pub struct TextSide {
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// sha256 over the files read (tells two text sides apart in session headers).
+    pub hash: String,
+}
+
+impl TextSide {
+    /// Read from a `.gguf` file (metadata only), an HF checkpoint or tokenizer directory
+    /// (`tokenizer.json`, `tokenizer_config.json`), or a LoRA adapter directory (its base's
+    /// tokenizer; the adapter's own template wins, as when the adapter is loaded).
+    pub fn load(path: &Path) -> Result<Self, RuntimeError> {
+        if path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf") {
+            let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::File {
+                path: path.display().to_string(),
+                message: format!("cannot open: {e}"),
+            })?;
+            let ct = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| {
+                RuntimeError::File {
+                    path: path.display().to_string(),
+                    message: format!("not a valid GGUF file: {e}"),
+                }
+            })?;
+            let tokenizer = tokenizer_of_gguf(path, &ct)?;
+            let template = gguf_template(path, &ct, &tokenizer)?;
+            let hash = hash_files(&[path.to_path_buf()])?;
+            return Ok(Self {
+                tokenizer,
+                template,
+                hash,
+            });
+        }
+        if is_adapter_dir(path) {
+            let base = AdapterConfig::read(path)?.resolve_base(path)?;
+            let mut side = Self::load(&base)?;
+            if let Some(template) = template_in_dir(path)? {
+                side.template = template;
+            }
+            return Ok(side);
+        }
+        let tok_path = path.join("tokenizer.json");
+        if !tok_path.is_file() {
+            return Err(RuntimeError::File {
+                path: path.display().to_string(),
+                message: "no tokenizer here (expected a .gguf file, or a directory with tokenizer.json, or a LoRA adapter directory)".into(),
+            });
+        }
+        let tokenizer = Tokenizer::from_file(&tok_path)?;
+        let template = template_in_dir(path)?.unwrap_or_else(ChatTemplate::chatml);
+        let mut files = vec![tok_path];
+        let config = path.join("tokenizer_config.json");
+        if config.is_file() {
+            files.push(config);
+        }
+        let hash = hash_files(&files)?;
+        Ok(Self {
+            tokenizer,
+            template,
+            hash,
+        })
+    }
 }
 
 /// The tokenizer of a GGUF file, read without its weights (for training on a GGUF base).

@@ -35,7 +35,8 @@ use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
 use crate::env::mcp_client::{McpEnv, McpServerConfig};
 use crate::env::tasks::find_builtin;
-use crate::runtime::{CancelToken, DeviceChoice, LanguageModel, LocalModel};
+use crate::runtime::openai::open_model;
+use crate::runtime::{CancelToken, DeviceChoice};
 use crate::session::SessionWriter;
 use crate::train::metrics::{MetricsSink, StepMetrics};
 
@@ -245,17 +246,17 @@ fn perform(ctx: &mut Ctx, e: Effect) {
             let slot = Arc::clone(&ctx.model);
             let device = ctx.device;
             tokio::task::spawn_blocking(move || {
-                let r = LocalModel::load(&path, device)
+                let r = open_model(&path, device)
                     .map_err(|e| e.to_string())
                     .and_then(|m| {
-                        let p = PromptProfile::read(&path).map_err(|e| e.to_string())?;
+                        let p = PromptProfile::for_model(&path).map_err(|e| e.to_string())?;
                         Ok((m, p))
                     });
                 match r {
                     Ok((m, p)) => {
                         let info = m.info();
                         if let Ok(mut s) = slot.lock() {
-                            *s = Some((share_model(Box::new(m)), p));
+                            *s = Some((share_model(m), p));
                         }
                         send(&tx, Msg::ModelLoaded(Ok(info)));
                     }
@@ -366,14 +367,19 @@ fn perform(ctx: &mut Ctx, e: Effect) {
         Effect::CancelRun => ctx.run_cancel.cancel(),
         Effect::ScanModels => {
             let mut roots = vec![PathBuf::from("models")];
+            let mut remotes = None;
             if let Some(d) = project_dirs() {
                 roots.push(d.data_dir().join("models"));
+                remotes = Some(d.config_dir().join(super::models_tab::REMOTES_FILE));
             }
             tokio::task::spawn_blocking(move || {
-                send(
-                    &tx,
-                    Msg::ModelsScanned(super::models_tab::scan_models(&roots)),
-                );
+                let mut entries = super::models_tab::scan_models(&roots);
+                match remotes.as_deref().map(super::models_tab::remote_entries) {
+                    Some(Ok(r)) => entries.extend(r),
+                    Some(Err(e)) => send(&tx, Msg::Notice(Level::Error, e)),
+                    None => {}
+                }
+                send(&tx, Msg::ModelsScanned(entries));
                 if let Some(r) = super::models_tab::rss_mb() {
                     send(&tx, Msg::Memory { rss_mb: r });
                 }

@@ -1,5 +1,6 @@
 //! The Models tab's state: model directories and GGUF files found under `models/` and the
-//! user's data directory, the selection, and the process's memory use.
+//! user's data directory, remote (OpenAI-compatible) backends from `remotes.toml` in the config
+//! directory with their health, the selection, and the process's memory use.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,7 @@ use super::keymap::Action;
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelEntry {
     pub path: PathBuf,
-    /// `hf` (config.json + safetensors) or `gguf`.
+    /// `hf` (config.json + safetensors), `gguf`, or `remote` (`path` is then the model spec).
     pub format: &'static str,
     pub bytes: u64,
     /// A one-line description from config.json (architecture, size) when readable.
@@ -148,6 +149,81 @@ pub fn scan_models(roots: &[PathBuf]) -> Vec<ModelEntry> {
     out
 }
 
+/// The remote backends file's name, in the config directory:
+/// ```toml
+/// [[remote]]
+/// name = "llama-server"                     # shown in the list
+/// model = "openai:http://127.0.0.1:8080/v1#smollm2&tokenizer=/models/smollm2.gguf"
+/// ```
+pub const REMOTES_FILE: &str = "remotes.toml";
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemotesFile {
+    #[serde(default)]
+    remote: Vec<RemoteConfig>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoteConfig {
+    name: String,
+    model: String,
+}
+
+/// The remote backends of `file` (none when it does not exist), each checked: the spec parses
+/// and the server answers `GET /v1/models` within a few seconds. Errors name the file and entry.
+pub fn remote_entries(file: &Path) -> Result<Vec<ModelEntry>, String> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("{}: {e}", file.display())),
+    };
+    let parsed: RemotesFile =
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+    let mut out = Vec::new();
+    for (i, r) in parsed.remote.into_iter().enumerate() {
+        if let Err(e) = crate::runtime::openai::RemoteSpec::parse(&r.model) {
+            return Err(format!("{}: remote[{i}] ({}): {e}", file.display(), r.name));
+        }
+        // A short, single-try health check: the list must not wait on a dead server.
+        let probe = format!("{}&timeout=3&retries=0", with_fragment(&r.model));
+        let detail = match crate::runtime::openai::RemoteModel::served_models(&probe) {
+            Ok(models) => format!("{} · up · serves {}", r.name, models.join(", ")),
+            Err(e) => format!("{} · down · {e}", r.name),
+        };
+        out.push(ModelEntry {
+            path: PathBuf::from(r.model),
+            format: "remote",
+            bytes: 0,
+            detail,
+        });
+    }
+    Ok(out)
+}
+
+/// `spec` with a `#` fragment, so that `&key=value` options can be appended.
+fn with_fragment(spec: &str) -> String {
+    if spec.contains('#') {
+        spec.to_string()
+    } else {
+        format!("{spec}#")
+    }
+}
+
+/// Whether a list entry is the loaded model (a remote entry's spec carries options the loaded
+/// model's recorded path leaves out).
+pub fn is_loaded(entry: &ModelEntry, loaded_path: &str) -> bool {
+    if entry.format == "remote" {
+        let spec = entry.path.to_string_lossy();
+        return spec == loaded_path
+            || spec
+                .strip_prefix(loaded_path)
+                .is_some_and(|rest| rest.starts_with('&'));
+    }
+    entry.path == Path::new(loaded_path)
+}
+
 /// Resident memory of this process in MiB (Linux `/proc`; `None` elsewhere).
 pub fn rss_mb() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -190,6 +266,37 @@ mod tests {
             t.handle(Action::Confirm, &TabContext::ready()),
             vec![TabCommand::LoadModel(PathBuf::from("models/other"))]
         );
+    }
+
+    #[test]
+    fn remotes_file_lists_backends_with_their_health() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join(REMOTES_FILE);
+        assert_eq!(remote_entries(&f).unwrap(), vec![]);
+        std::fs::write(
+            &f,
+            "[[remote]]\nname = \"down\"\nmodel = \"openai:http://127.0.0.1:9/v1#m\"\n",
+        )
+        .unwrap();
+        let v = remote_entries(&f).unwrap();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].format, "remote");
+        assert!(
+            v[0].detail
+                .starts_with("down · down · http://127.0.0.1:9/v1/models"),
+            "{}",
+            v[0].detail
+        );
+        assert!(is_loaded(&v[0], "openai:http://127.0.0.1:9/v1#m"));
+        std::fs::write(
+            &f,
+            "[[remote]]\nname = \"x\"\nmodel = \"openai:ftp://h#m\"\n",
+        )
+        .unwrap();
+        let e = remote_entries(&f).unwrap_err();
+        assert!(e.contains("remote[0] (x)") && e.contains("url"), "{e}");
+        std::fs::write(&f, "[[remote]]\nname = \"x\"\nurl = \"y\"\n").unwrap();
+        assert!(remote_entries(&f).unwrap_err().contains(REMOTES_FILE));
     }
 
     #[test]

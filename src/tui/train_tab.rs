@@ -224,6 +224,12 @@ impl TrainTab {
                         "training is already running",
                     )];
                 }
+                if crate::runtime::openai::is_remote(&ctx.model_path.to_string_lossy()) {
+                    return vec![TabCommand::notify(
+                        Level::Warn,
+                        "a remote model is not trainable here: load a local model (Models tab) to train",
+                    )];
+                }
                 match self.request(&ctx.model_path, a == Action::ResumeTraining) {
                     Ok(r) => {
                         self.started();
@@ -344,6 +350,20 @@ mod tests {
             t.handle(Action::StopTraining, &ctx),
             vec![TabCommand::Effect(Effect::StopTraining)]
         );
+    }
+
+    #[test]
+    fn a_remote_model_is_not_trainable() {
+        let ctx = TabContext {
+            model_path: PathBuf::from("openai:http://127.0.0.1:8080/v1#smollm2"),
+            ..TabContext::ready()
+        };
+        let mut t = TrainTab::new(Path::new("runs"));
+        assert!(matches!(
+            t.handle(Action::StartTraining, &ctx).as_slice(),
+            [TabCommand::Notify(Level::Warn, m)] if m.contains("not trainable")
+        ));
+        assert!(!t.is_running());
     }
 
     #[test]

@@ -21,17 +21,20 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         ));
     }
     for (i, e) in m.entries.iter().enumerate() {
-        let loaded = matches!(&app.model, ModelState::Ready(info) if std::path::Path::new(&info.path) == e.path);
+        let loaded = matches!(&app.model, ModelState::Ready(info) if crate::tui::models_tab::is_loaded(e, &info.path));
+        // Both 19 columns wide.
+        let size = if e.format == "remote" {
+            format!("{:<6}{:>8}     ", e.format, "–")
+        } else {
+            format!("{:<5} {:>8.1} MB  ", e.format, e.bytes as f64 / 1e6)
+        };
         let row = Line::from(vec![
             Span::styled(if loaded { "● " } else { "  " }, t.fg(t.c.ok)),
             Span::styled(
                 format!("{:<44}", e.path.display().to_string()),
                 t.fg(t.c.fg),
             ),
-            Span::styled(
-                format!("{:<5} {:>8.1} MB  ", e.format, e.bytes as f64 / 1e6),
-                t.muted(),
-            ),
+            Span::styled(size, t.muted()),
             Span::styled(e.detail.clone(), t.muted()),
         ]);
         lines.push(if i == m.selected {

@@ -1,0 +1,342 @@
+//! The OpenAI-compatible backend against a real server: llama.cpp's own `llama-server` (built
+//! from PyPI's llama-cpp-python sdist by scripts/fetch-llama-cpp, as scripts/fetch-fixtures
+//! does) serving the SmolLM2 GGUF on 127.0.0.1. Through the release binary:
+//! - the completions path (`&tokenizer=` the same GGUF: prompts rendered and tokenized here)
+//!   plays the same test tasks as the in-process model, and their greedy actor turns agree on a
+//!   stated share of steps (two different Q4_1 kernels: llama.cpp's and ours);
+//! - the chat path (`/v1/chat/completions`, tools rendered into the system message) plays an
+//!   episode and records the backend in the session header;
+//! - killing the server mid-evaluation ends the command with an error naming the URL (after
+//!   its retries), not a hang or a panic.
+
+// Tests may unwrap: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn gguf() -> PathBuf {
+    let p = root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "missing fixture {}: run scripts/fetch-fixtures",
+        p.display()
+    );
+    p
+}
+
+/// A running llama-server, killed on drop.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start() -> Self {
+        let bin = root().join(".cache/llama.cpp/bin/llama-server");
+        assert!(
+            bin.is_file(),
+            "missing fixture {}: run scripts/fetch-fixtures (it builds llama.cpp's server)",
+            bin.display()
+        );
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let log =
+            std::fs::File::create(std::env::temp_dir().join(format!("llama-server-{port}.log")))
+                .unwrap();
+        let child = Command::new(bin)
+            .args(["-m"])
+            .arg(gguf())
+            .args([
+                "--alias",
+                "smollm2",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "-c",
+                "16384",
+                "-np",
+                "4",
+                "-t",
+                "2",
+                "--no-webui",
+            ])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let server = Self { child, port };
+        let t = Instant::now();
+        while health(port) != Some(200) {
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "llama-server on port {port} not healthy after 120 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+}
+
+/// The status of `GET /health` (None while nothing listens).
+fn health(port: u16) -> Option<u16> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn envace(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(root())
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Every session file in `dir`, by task id: (header, main-line actor texts).
+fn actor_turns(dir: &Path) -> Vec<(String, Value, Vec<String>)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().and_then(|e| e.to_str()) != Some("jsonl") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p).unwrap();
+        let mut lines = text.lines();
+        let header: Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+        let turns = lines
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|v| {
+                let e = &v["event"];
+                e["type"] == "generation" && e["role"] == "actor" && e["branch"].is_null()
+            })
+            .map(|v| v["event"]["text"].as_str().unwrap().to_string())
+            .collect();
+        out.push((
+            header["task_id"].as_str().unwrap().to_string(),
+            header,
+            turns,
+        ));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[test]
+fn completions_backend_agrees_with_the_in_process_model_on_the_same_gguf() {
+    let server = Server::start();
+    let gguf = gguf();
+    let spec = format!(
+        "openai:{}#smollm2&tokenizer={}",
+        server.url(),
+        gguf.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (local_dir, remote_dir) = (dir.path().join("local"), dir.path().join("remote"));
+    let mut results = Vec::new();
+    for (model, sessions) in [
+        (gguf.display().to_string(), &local_dir),
+        (spec.clone(), &remote_dir),
+    ] {
+        let o = envace(&[
+            "eval",
+            "--model",
+            &model,
+            "--env",
+            "bank",
+            "--split",
+            "test",
+            "--limit",
+            "2",
+            "--seed",
+            "0",
+            "--mode",
+            "real",
+            "--max-turns",
+            "2",
+            "--json",
+            "--sessions",
+            sessions.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{model}: {stderr}");
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["tasks"], 2, "{v}");
+        results.push(v);
+    }
+    let local = actor_turns(&local_dir);
+    let remote = actor_turns(&remote_dir);
+    assert_eq!(local.len(), 2);
+    assert_eq!(remote.len(), 2);
+    // The remote sessions record the backend and the served model's name.
+    for (_, header, _) in &remote {
+        assert_eq!(
+            header["model"]["path"],
+            format!("openai:{}#smollm2", server.url()),
+            "{header}"
+        );
+    }
+    // Greedy actor turns, step by step until the first disagreement in each episode.
+    let (mut same, mut compared) = (0, 0);
+    for ((task, _, l), (task_r, _, r)) in local.iter().zip(&remote) {
+        assert_eq!(task, task_r);
+        assert!(
+            !r.is_empty(),
+            "{task}: the remote episode generated nothing"
+        );
+        for (a, b) in l.iter().zip(r) {
+            compared += 1;
+            if a != b {
+                eprintln!("{task}: first differing actor turn:\n local: {a:?}\nremote: {b:?}");
+                break;
+            }
+            same += 1;
+        }
+    }
+    eprintln!("identical greedy actor turns: {same} of {compared} compared");
+    // Stated share: at least half of the compared steps (measured: see docs/SCALE.md).
+    assert!(
+        2 * same >= compared && compared > 0,
+        "only {same} of {compared} greedy actor turns agree"
+    );
+}
+
+#[test]
+fn chat_backend_plays_an_episode_and_records_the_backend() {
+    let server = Server::start();
+    let spec = format!("openai:{}#smollm2&tools=smollm2", server.url());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("s.jsonl");
+    let o = envace(&[
+        "run",
+        "--model",
+        &spec,
+        "--env",
+        "bank",
+        "--task",
+        "bank-test-0007",
+        "--mode",
+        "shadow",
+        "--max-turns",
+        "2",
+        "--seed",
+        "0",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    // The episode runs to its end (solved or not: the base model is not tuned on bank tasks).
+    assert!(matches!(o.status.code(), Some(0 | 1)), "{stderr}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let header: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        header["model"]["path"],
+        format!("openai:{}#smollm2", server.url())
+    );
+    assert_eq!(header["model"]["tool_rendering"], "system-smollm2");
+    let generations: Vec<Value> = text
+        .lines()
+        .skip(1)
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["event"]["type"] == "generation")
+        .collect();
+    assert!(!generations.is_empty(), "no generation recorded");
+    // The chat API keeps the messages (rendered by the server), not token ids.
+    let g = &generations[0]["event"];
+    assert!(g["prompt"].as_array().is_some_and(|m| !m.is_empty()), "{g}");
+    assert!(!g["text"].as_str().unwrap().is_empty(), "{g}");
+}
+
+#[test]
+fn a_server_killed_mid_evaluation_is_an_error_naming_the_url() {
+    let mut server = Server::start();
+    let url = server.url();
+    let spec = format!(
+        "openai:{url}#smollm2&tokenizer={}&retries=2&timeout=10",
+        gguf().display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(root())
+        .args([
+            "eval",
+            "--model",
+            &spec,
+            "--env",
+            "bank",
+            "--split",
+            "test",
+            "--limit",
+            "10",
+            "--seed",
+            "0",
+            "--mode",
+            "shadow",
+            "--json",
+            "--sessions",
+        ])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kill the server once the first session has an actor generation in it.
+    let t = Instant::now();
+    loop {
+        let started = std::fs::read_dir(dir.path())
+            .map(|d| {
+                d.flatten().any(|e| {
+                    std::fs::read_to_string(e.path())
+                        .is_ok_and(|s| s.contains("\"type\":\"generation\""))
+                })
+            })
+            .unwrap_or(false);
+        if started {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no generation after 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let t = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_ne!(o.status.code(), Some(0), "{stderr}");
+    assert!(o.status.code().is_some(), "killed by a signal: {stderr}");
+    assert!(stderr.contains(&format!("{url}/completions")), "{stderr}");
+    // Two retries with backoff (0.5 s, 1 s), then the error: seconds, not a hang.
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+}
