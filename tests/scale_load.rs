@@ -15,7 +15,9 @@ use candle_core::{DType, Device, Tensor};
 use envace::runtime::LocalModel;
 use envace::runtime::config::Family;
 use envace::runtime::decoder::{LogitsAt, Pass};
-use envace::runtime::fixture::{byte_level_tokenizer_json, random_weights, tiny_config, write_checkpoint};
+use envace::runtime::fixture::{
+    byte_level_tokenizer_json, random_weights, tiny_config, write_checkpoint,
+};
 use serde_json::json;
 
 /// Split `weights` (as bf16) over two shards the way `save_pretrained` does: an index naming
@@ -45,8 +47,10 @@ fn write_sharded_bf16(dir: &Path, weights: &HashMap<String, Tensor>) {
     }
     std::fs::write(
         dir.join("model.safetensors.index.json"),
-        serde_json::to_string_pretty(&json!({"metadata": {"total_size": total}, "weight_map": map}))
-            .unwrap(),
+        serde_json::to_string_pretty(
+            &json!({"metadata": {"total_size": total}, "weight_map": map}),
+        )
+        .unwrap(),
     )
     .unwrap();
 }
@@ -76,7 +80,11 @@ fn a_sharded_bf16_checkpoint_loads_back_and_matches_its_weights() {
         let rounded: HashMap<String, Tensor> = w
             .iter()
             .map(|(k, v)| {
-                let r = v.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+                let r = v
+                    .to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
                 (k.clone(), r)
             })
             .collect();

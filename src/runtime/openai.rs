@@ -75,12 +75,17 @@ pub struct RemoteSpec {
     /// Chat API only: render the tools into the system message in this format instead of
     /// passing `tools` (for servers whose template drops them, e.g. SmolLM2's).
     pub tool_rendering: Option<ToolRendering>,
+    /// llama.cpp's `cache_prompt` (`None`: the server's default, on). Off, every prompt is
+    /// processed whole, so greedy results do not depend on what the slot held before (with the
+    /// cache, llama.cpp's server can answer the same prompt differently on a second request).
+    pub cache_prompt: Option<bool>,
 }
 
 impl RemoteSpec {
     /// Parse `openai:URL[#MODEL_NAME][&key=value…]`. Options: `tokenizer=PATH`,
     /// `api=completions|chat`, `key_env=VAR`, `timeout=SECONDS`, `retries=N`,
-    /// `tools=hermes|smollm2|server` (chat API). Errors name the option.
+    /// `tools=hermes|smollm2|server` (chat API), `cache_prompt=true|false` (llama.cpp). Errors
+    /// name the option.
     pub fn parse(spec: &str) -> Result<Self, RuntimeError> {
         let err = |field: &str, message: String| RuntimeError::Field {
             path: spec.to_string(),
@@ -116,6 +121,7 @@ impl RemoteSpec {
             timeout: Duration::from_secs(120),
             retries: 3,
             tool_rendering: None,
+            cache_prompt: None,
         };
         let mut api = None;
         if let Some(fragment) = fragment {
@@ -135,7 +141,10 @@ impl RemoteSpec {
                             "chat" => Api::Chat,
                             "completions" => Api::Completions,
                             _ => {
-                                return Err(err(k, format!("`{v}` (expected chat or completions)")));
+                                return Err(err(
+                                    k,
+                                    format!("`{v}` (expected chat or completions)"),
+                                ));
                             }
                         })
                     }
@@ -169,10 +178,17 @@ impl RemoteSpec {
                             }
                         }
                     }
+                    "cache_prompt" => {
+                        out.cache_prompt = Some(match v {
+                            "true" => true,
+                            "false" => false,
+                            _ => return Err(err(k, format!("`{v}` (expected true or false)"))),
+                        })
+                    }
                     _ => {
                         return Err(err(
                             k,
-                            "unknown option (known: tokenizer, api, key_env, timeout, retries, tools)"
+                            "unknown option (known: tokenizer, api, key_env, timeout, retries, tools, cache_prompt)"
                                 .into(),
                         ));
                     }
@@ -321,6 +337,9 @@ impl RemoteModel {
         }
         if let Some(k) = params.top_k {
             body.insert("top_k".into(), json!(k));
+        }
+        if let Some(c) = self.spec.cache_prompt {
+            body.insert("cache_prompt".into(), json!(c));
         }
         body
     }
@@ -1105,6 +1124,7 @@ mod tests {
             ("openai:http://h/v1#m&retries=x", "retries"),
             ("openai:http://h/v1#m&colour=red", "colour"),
             ("openai:http://h/v1#m&tools=xml", "tools"),
+            ("openai:http://h/v1#m&cache_prompt=no", "cache_prompt"),
             (
                 "openai:http://h/v1#m&tokenizer=t.gguf&tools=hermes",
                 "tools",
