@@ -30,10 +30,7 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         };
         let row = Line::from(vec![
             Span::styled(if loaded { "● " } else { "  " }, t.fg(t.c.ok)),
-            Span::styled(
-                format!("{:<44}", e.path.display().to_string()),
-                t.fg(t.c.fg),
-            ),
+            Span::styled(format!("{:<44}", list_name(e)), t.fg(t.c.fg)),
             Span::styled(size, t.muted()),
             Span::styled(e.detail.clone(), t.muted()),
         ]);
@@ -115,4 +112,21 @@ pub fn draw(app: &App, f: &mut Frame, body: Rect) {
         Paragraph::new(lines).block(block(t, "Loaded model", false)),
         info,
     );
+}
+
+/// The list's name for an entry: a path, or a remote backend's URL and model name without its
+/// options (the tokenizer path would fill the row); a longer one is cut to 43 characters.
+fn list_name(e: &crate::tui::models_tab::ModelEntry) -> String {
+    let s = e.path.display().to_string();
+    let s = if e.format == "remote" {
+        s.split('&').next().unwrap_or_default().to_string()
+    } else {
+        s
+    };
+    if s.chars().count() > 44 {
+        let tail: String = s.chars().skip(s.chars().count() - 42).collect();
+        format!("…{tail}")
+    } else {
+        s
+    }
 }
