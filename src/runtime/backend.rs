@@ -149,8 +149,21 @@ pub trait LanguageModel: Send {
         stream: Option<StreamSink<'_>>,
         cancel: &CancelToken,
     ) -> Result<Vec<Generation>, RuntimeError> {
-        let prompt = self.render_chat(chat.messages, chat.tools, true, chat.enable_thinking)?;
-        let ids = self.encode(&prompt)?;
-        self.generate(&ids, n, params, stream, cancel)
+        generate_rendered(self, chat, n, params, stream, cancel)
     }
+}
+
+/// [`LanguageModel::generate_chat`] through the model's own template: render, encode, generate
+/// (the default, and a remote backend's completions path).
+pub fn generate_rendered<M: LanguageModel + ?Sized>(
+    model: &mut M,
+    chat: &ChatPrompt<'_>,
+    n: usize,
+    params: &SamplingParams,
+    stream: Option<StreamSink<'_>>,
+    cancel: &CancelToken,
+) -> Result<Vec<Generation>, RuntimeError> {
+    let prompt = model.render_chat(chat.messages, chat.tools, true, chat.enable_thinking)?;
+    let ids = model.encode(&prompt)?;
+    model.generate(&ids, n, params, stream, cancel)
 }

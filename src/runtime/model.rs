@@ -384,16 +384,7 @@ impl TextSide {
     /// tokenizer; the adapter's own template wins, as when the adapter is loaded).
     pub fn load(path: &Path) -> Result<Self, RuntimeError> {
         if path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf") {
-            let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::File {
-                path: path.display().to_string(),
-                message: format!("cannot open: {e}"),
-            })?;
-            let ct = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| {
-                RuntimeError::File {
-                    path: path.display().to_string(),
-                    message: format!("not a valid GGUF file: {e}"),
-                }
-            })?;
+            let ct = gguf_metadata(path)?;
             let tokenizer = tokenizer_of_gguf(path, &ct)?;
             let template = gguf_template(path, &ct, &tokenizer)?;
             let hash = hash_files(&[path.to_path_buf()])?;
@@ -436,17 +427,19 @@ impl TextSide {
 
 /// The tokenizer of a GGUF file, read without its weights (for training on a GGUF base).
 pub fn gguf_tokenizer(path: &Path) -> Result<Tokenizer, RuntimeError> {
+    tokenizer_of_gguf(path, &gguf_metadata(path)?)
+}
+
+/// A GGUF file's metadata and tensor index, without reading its weights.
+fn gguf_metadata(path: &Path) -> Result<candle_core::quantized::gguf_file::Content, RuntimeError> {
     let mut f = std::fs::File::open(path).map_err(|e| RuntimeError::File {
         path: path.display().to_string(),
         message: format!("cannot open: {e}"),
     })?;
-    let ct = candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| {
-        RuntimeError::File {
-            path: path.display().to_string(),
-            message: format!("not a valid GGUF file: {e}"),
-        }
-    })?;
-    tokenizer_of_gguf(path, &ct)
+    candle_core::quantized::gguf_file::Content::read(&mut f).map_err(|e| RuntimeError::File {
+        path: path.display().to_string(),
+        message: format!("not a valid GGUF file: {e}"),
+    })
 }
 
 fn common_len(a: &[u32], b: &[u32]) -> usize {
