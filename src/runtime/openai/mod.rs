@@ -38,7 +38,7 @@ pub use self::spec::{Api, RemoteSpec};
 use self::stream::Branch;
 use super::backend::{
     CancelToken, ChatPrompt, FinishReason, Generation, LanguageModel, ModelInfo, RuntimeError,
-    SamplingParams, StreamSink,
+    SamplingParams, StreamSink, generate_rendered,
 };
 use super::model::TextSide;
 use super::tool_format::{self, ToolRendering};
@@ -429,9 +429,7 @@ impl LanguageModel for RemoteModel {
         cancel: &CancelToken,
     ) -> Result<Vec<Generation>, RuntimeError> {
         if self.spec.api == Api::Completions {
-            let prompt = self.render_chat(chat.messages, chat.tools, true, chat.enable_thinking)?;
-            let ids = self.encode(&prompt)?;
-            return self.generate(&ids, n, params, stream, cancel);
+            return generate_rendered(self, chat, n, params, stream, cancel);
         }
         let (messages, tools) = match self.spec.tool_rendering {
             Some(r) => (
