@@ -1,15 +1,17 @@
 //! Quantized projections for decode steps (a few rows), from weight tiles with AVX-512BW
-//! kernels: Q4_1 weights as they are in the file, and Q8_0.
+//! kernels: Q4_1 and the k-quants (Q4_K, Q5_K, Q6_K) as they are in the file, and Q8_0.
 //!
 //! Why it exists: a decode step reads every weight once, so its speed is the bytes it reads
 //! and the instructions per weight. Candle has no SIMD kernel for Q4_1 (scalar fallback, so the
 //! loader requantized Q4_1 files to Q8_0: twice the bytes), and its Q8_0 kernel has a fast
 //! AVX-512 VNNI path only when the input width is a multiple of 256 (SmolLM2's hidden size is
-//! 576): everything else took its AVX2 `vec_dot_4`, half of a decode step in the profile.
+//! 576): everything else took its AVX2 `vec_dot_4`, half of a decode step in the profile. The
+//! k-quants are what GGUF downloads mostly are (Q4_K_M mixes Q4_K and Q6_K per tensor); with
+//! candle's kernels a Qwen2.5-0.5B Q4_K_M decoded at ~0.95× llama.cpp's speed.
 //!
 //! Layout: the weights are repacked once at load into tiles of 16 output rows × one 32-wide
 //! block, so that one 512-bit register holds 4 consecutive weights of each of the 16 rows
-//! (Q8_0: 8 registers per block; Q4_1: 4, each holding two groups of 4 as low and high
+//! (bytes: 8 registers per block; nibbles: 4, each holding two groups of 4 as low and high
 //! nibbles). A step broadcasts 4 activation bytes and multiplies-and-sums pairs (`maddubs`,
 //! `madd`) against the register, accumulating 16 rows' partial dot products in one register;
 //! every weight byte is read once per step whatever the number of input rows (≤ 8).
@@ -19,11 +21,20 @@
 //! - Q4_1 weights are `d · q + m` with q in 0..15: `maddubs(q, a)` cannot saturate and the
 //!   block's 8 products per i16 lane are summed in i16 (8 · 15 · 127 < 2¹⁵) before one `madd`;
 //!   the `m` term is `m · d_a · Σ a`, with the activation block sums computed once per step.
+//! - K-quants come in 256-value superblocks whose f16 `d` (and `dmin`) scale 6- or 8-bit
+//!   sub-block scales; at load every 32-block gets its products `d · sc` (and `−dmin · min`) in
+//!   f32, as candle's dequantization computes them (not representable in f16), so the tiles hold
+//!   exactly the weights candle dequantizes. Q4_K (`D · q + M`, q in 0..15) is the Q4_1 nibble
+//!   layout and kernel with f32 scales. Q5_K (q in 0..31) is unsigned bytes in the Q8_0 layout
+//!   with `D`, `M` as Q4_1's; each half block's 8 products per i16 lane fit (8 · 31 · 127).
+//!   Q6_K has a scale per 16 values and q in −32..31: signed bytes in the Q8_0 layout with
+//!   Q8_0's sign trick, two f32 scales per 32-block and an integer sum per half (8 · 32 · 127).
 //!
 //! Numerics: activations are quantized per 32 values to i8 with an f16 scale, exactly as
 //! candle's `BlockQ8_0::from_float` does; integer sums per block, scaled in f32. For Q8_0 the
 //! result is candle's Q8_0 × Q8_0 dot product up to the order of the f32 block sums; for Q4_1
-//! it is the file's weights (no requantization) against Q8_0 activations. Each input row is
+//! and the k-quants it is the file's weights (no requantization) against Q8_0 activations
+//! (candle's k-quant kernels quantize activations per 256 values instead, Q8_K: coarser). Each input row is
 //! computed by the same loop whatever the batch, so a batched row equals the same row alone
 //! bit for bit.
 //!
@@ -46,7 +57,7 @@ type Result<T> = candle_core::Result<T>;
 
 /// Output rows per tile: one 512-bit register of i32 or f32.
 const TILE: usize = 16;
-/// Values per block (Q8_0 and Q4_1 alike).
+/// Values per block (Q8_0 and Q4_1; k-quants are tiled per 32 values of their superblocks).
 const BLOCK: usize = 32;
 /// Input rows the kernels take at once (decode batches, rehearsal branches).
 pub const MAX_ROWS: usize = 8;
@@ -67,8 +78,17 @@ struct Q4Block {
     qs: [[u8; 64]; 4],
 }
 
+/// One 32-wide block's f32 scales for the 16 rows of a tile, as k-quant blocks have them after
+/// their per-superblock `d` and `dmin` multiply the 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block
+/// scales: `[D; M]` (the weight is `D · q + M`) or, for Q6_K, `[D of values 0..16; D of values
+/// 16..32]`.
+type Scales32 = [f32; 2 * TILE];
+
+/// Values per k-quant superblock.
+const QK_K: usize = 256;
+
 /// The repacked weight data, tile-major (tile t, block b at `t · blocks_per_row + b`), with the
-/// rows' f16 scales per block beside it (Q4_1: `d` then `m`).
+/// rows' scales per block beside it (Q8_0: f16 `d`; Q4_1: f16 `d` then `m`; k-quants: f32).
 enum Kind {
     Q8 {
         blocks: Vec<Q8Block>,
@@ -78,9 +98,90 @@ enum Kind {
         blocks: Vec<Q4Block>,
         dm: Vec<[u16; 2 * TILE]>,
     },
+    /// Q4_K: q in 0..15 in the Q4_1 nibble layout, `D · q + M` per 32-block.
+    Q4K {
+        blocks: Vec<Q4Block>,
+        dm: Vec<Scales32>,
+    },
+    /// Q5_K: q in 0..31 as unsigned bytes in the Q8_0 layout, `D · q + M` per 32-block.
+    Q5K {
+        blocks: Vec<Q8Block>,
+        dm: Vec<Scales32>,
+    },
+    /// Q6_K: q in -32..31 as signed bytes in the Q8_0 layout, a scale per 16 values.
+    Q6K {
+        blocks: Vec<Q8Block>,
+        d: Vec<Scales32>,
+    },
 }
 
-/// A Q8_0 or Q4_1 weight (out, in) repacked for the tiled kernels.
+impl Kind {
+    fn name(&self) -> &'static str {
+        match self {
+            Kind::Q8 { .. } => "Q8_0",
+            Kind::Q4 { .. } => "Q4_1",
+            Kind::Q4K { .. } => "Q4_K",
+            Kind::Q5K { .. } => "Q5_K",
+            Kind::Q6K { .. } => "Q6_K",
+        }
+    }
+
+    /// The same kind with no tiles.
+    fn empty(&self) -> Kind {
+        match self {
+            Kind::Q8 { .. } => Kind::Q8 {
+                blocks: Vec::new(),
+                d: Vec::new(),
+            },
+            Kind::Q4 { .. } => Kind::Q4 {
+                blocks: Vec::new(),
+                dm: Vec::new(),
+            },
+            Kind::Q4K { .. } => Kind::Q4K {
+                blocks: Vec::new(),
+                dm: Vec::new(),
+            },
+            Kind::Q5K { .. } => Kind::Q5K {
+                blocks: Vec::new(),
+                dm: Vec::new(),
+            },
+            Kind::Q6K { .. } => Kind::Q6K {
+                blocks: Vec::new(),
+                d: Vec::new(),
+            },
+        }
+    }
+
+    /// Append `other`'s tiles; `false` (nothing appended) when the kinds differ.
+    fn extend(&mut self, other: &Kind) -> bool {
+        match (self, other) {
+            (Kind::Q8 { blocks, d }, Kind::Q8 { blocks: b, d: s }) => {
+                blocks.extend_from_slice(b);
+                d.extend_from_slice(s);
+            }
+            (Kind::Q4 { blocks, dm }, Kind::Q4 { blocks: b, dm: s }) => {
+                blocks.extend_from_slice(b);
+                dm.extend_from_slice(s);
+            }
+            (Kind::Q4K { blocks, dm }, Kind::Q4K { blocks: b, dm: s }) => {
+                blocks.extend_from_slice(b);
+                dm.extend_from_slice(s);
+            }
+            (Kind::Q5K { blocks, dm }, Kind::Q5K { blocks: b, dm: s }) => {
+                blocks.extend_from_slice(b);
+                dm.extend_from_slice(s);
+            }
+            (Kind::Q6K { blocks, d }, Kind::Q6K { blocks: b, d: s }) => {
+                blocks.extend_from_slice(b);
+                d.extend_from_slice(s);
+            }
+            _ => return false,
+        }
+        true
+    }
+}
+
+/// A Q8_0, Q4_1, Q4_K, Q5_K or Q6_K weight (out, in) repacked for the tiled kernels.
 pub struct Tiles {
     out: usize,
     inp: usize,
@@ -90,11 +191,127 @@ pub struct Tiles {
 
 impl std::fmt::Debug for Tiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match self.kind {
-            Kind::Q8 { .. } => "Q8_0",
-            Kind::Q4 { .. } => "Q4_1",
+        write!(
+            f,
+            "Tiles({}, {} × {})",
+            self.kind.name(),
+            self.out,
+            self.inp
+        )
+    }
+}
+
+/// A block's `[d; m]` per row as the nibble kernel reads them: f16 (Q4_1) or f32 (Q4_K).
+trait DmScales: Copy {
+    #[cfg(target_arch = "x86_64")]
+    fn load(self, f: pulp::core_arch::x86::Avx512f) -> [std::arch::x86_64::__m512; 2];
+}
+
+impl DmScales for [u16; 2 * TILE] {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn load(self, f: pulp::core_arch::x86::Avx512f) -> [std::arch::x86_64::__m512; 2] {
+        let [d, m]: [[u16; TILE]; 2] = bytemuck::cast(self);
+        [
+            f._mm512_cvtph_ps(bytemuck::cast(d)),
+            f._mm512_cvtph_ps(bytemuck::cast(m)),
+        ]
+    }
+}
+
+impl DmScales for Scales32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn load(self, _: pulp::core_arch::x86::Avx512f) -> [std::arch::x86_64::__m512; 2] {
+        bytemuck::cast(self)
+    }
+}
+
+/// One k-quant superblock decoded as candle's `to_float` reads it: 256 quants (Q6_K: `q − 32`
+/// as i8 bytes) and the f32 scale products (`d · sc`: 8 per 32 values, Q6_K 16 per 16 values;
+/// `m = −dmin · min`: 8 per 32 values).
+struct KBlock {
+    q: [u8; QK_K],
+    d: [f32; 16],
+    m: [f32; 8],
+}
+
+/// ggml's 6-bit scale and min of sub-block `j` (candle's `get_scale_min_k4`).
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+impl KBlock {
+    /// Decode one block's bytes (candle's `BlockQ4K`, `BlockQ5K`, `BlockQ6K`, `repr(C)`).
+    fn decode(dtype: GgmlDType, s: &[u8]) -> Self {
+        let h = |i: usize| f16::from_le_bytes([s[i], s[i + 1]]).to_f32();
+        let mut k = KBlock {
+            q: [0; QK_K],
+            d: [0.0; 16],
+            m: [0.0; 8],
         };
-        write!(f, "Tiles({kind}, {} × {})", self.out, self.inp)
+        if dtype == GgmlDType::Q6K {
+            // ql [128], qh [64], scales [i8; 16], d: value v's low 4 bits are a nibble of
+            // ql[64·(v/128) + v%32 (+32 in quarters 1, 3)] (low in quarters 0, 1), its high 2
+            // bits are bits 2·quarter of qh[32·(v/128) + v%32]; its scale is scales[v/16].
+            let (ql, qh, sc, d) = (&s[..128], &s[128..192], &s[192..208], h(208));
+            for v in 0..QK_K {
+                let (half, quarter, l) = (v / 128, v % 128 / 32, v % 32);
+                let byte = ql[64 * half + 32 * (quarter % 2) + l];
+                let lo = if quarter < 2 { byte & 0x0F } else { byte >> 4 };
+                let hi = (qh[32 * half + l] >> (2 * quarter)) & 3;
+                k.q[v] = ((lo | (hi << 4)) as i8 - 32) as u8;
+            }
+            for (j, &c) in sc.iter().enumerate() {
+                k.d[j] = d * c as i8 as f32;
+            }
+        } else {
+            // d, dmin, scales [12], (Q5_K: qh [32],) qs [128]: sub-block j's value l is a nibble
+            // of qs[32·(j/2) + l] (low for even j), plus 16 where bit j of qh[l] is set.
+            let (d, dmin, scales) = (h(0), h(2), &s[4..16]);
+            let (qh, qs) = if dtype == GgmlDType::Q5K {
+                (Some(&s[16..48]), &s[48..176])
+            } else {
+                (None, &s[16..144])
+            };
+            for j in 0..QK_K / BLOCK {
+                let (sc, m) = scale_min_k4(j, scales);
+                k.d[j] = d * sc as f32;
+                k.m[j] = -(dmin * m as f32);
+                for l in 0..BLOCK {
+                    let byte = qs[32 * (j / 2) + l];
+                    let mut q = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                    if qh.is_some_and(|qh| (qh[l] >> j) & 1 == 1) {
+                        q += 16;
+                    }
+                    k.q[BLOCK * j + l] = q;
+                }
+            }
+        }
+        k
+    }
+}
+
+/// Row `r` of a nibble tile block from the block's 32 quants (each < 16).
+fn put_q4(blk: &mut Q4Block, r: usize, q: impl Fn(usize) -> u8) {
+    for h in 0..4 {
+        for j in 0..4 {
+            blk.qs[h][4 * r + j] = q(4 * h + j) | (q(4 * (h + 4) + j) << 4);
+        }
+    }
+}
+
+/// Row `r` of a byte tile block from the block's 32 quant bytes.
+fn put_q8(blk: &mut Q8Block, r: usize, q: &[u8]) {
+    for (i, &byte) in q.iter().enumerate() {
+        blk.qs[i / 4][4 * r + i % 4] = byte;
     }
 }
 
@@ -133,8 +350,9 @@ pub fn available() -> bool {
 }
 
 impl Tiles {
-    /// Repack a CPU Q8_0 or Q4_1 tensor (out, in). `None` for other types or when the CPU
-    /// lacks AVX-512BW. Rows past `out` in the last tile are zero.
+    /// Repack a CPU Q8_0, Q4_1, Q4_K, Q5_K or Q6_K tensor (out, in). `None` for other types,
+    /// for an input width that is not a whole number of the type's blocks, or when the CPU lacks
+    /// AVX-512BW. Rows past `out` in the last tile are zero.
     pub fn new(t: &QTensor) -> Result<Option<Self>> {
         let Some(simd) = simd() else {
             return Ok(None);
@@ -143,66 +361,100 @@ impl Tiles {
             return Ok(None);
         }
         let (out, inp) = t.shape().dims2()?;
-        if inp % BLOCK != 0 {
+        let dtype = t.dtype();
+        if !matches!(
+            dtype,
+            GgmlDType::Q8_0 | GgmlDType::Q4_1 | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K
+        ) {
             return Ok(None);
         }
+        // Values and bytes per block of the file's type (k-quants: 256-value superblocks).
+        let (vals, block_bytes) = (dtype.block_size(), dtype.type_size());
+        if inp % vals != 0 {
+            return Ok(None);
+        }
+        let nb = inp / vals;
         let kb = inp / BLOCK;
         let tiles = out.div_ceil(TILE);
         let data = t.data()?;
-        let block_bytes = match t.dtype() {
-            GgmlDType::Q8_0 => 2 + BLOCK,
-            GgmlDType::Q4_1 => 4 + BLOCK / 2,
-            _ => return Ok(None),
-        };
-        if data.len() != out * kb * block_bytes {
+        if data.len() != out * nb * block_bytes {
             candle_core::bail!(
-                "{:?} tensor ({out}, {inp}) holds {} bytes, expected {}",
-                t.dtype(),
+                "{dtype:?} tensor ({out}, {inp}) holds {} bytes, expected {}",
                 data.len(),
-                out * kb * block_bytes
+                out * nb * block_bytes
             );
         }
         let src = |row: usize, b: usize| {
-            &data[(row * kb + b) * block_bytes..(row * kb + b + 1) * block_bytes]
+            &data[(row * nb + b) * block_bytes..(row * nb + b + 1) * block_bytes]
         };
-        let kind = if t.dtype() == GgmlDType::Q8_0 {
-            let mut blocks = vec![Q8Block { qs: [[0; 64]; 8] }; tiles * kb];
-            let mut d = vec![[0u16; TILE]; tiles * kb];
-            for row in 0..out {
-                let (ti, r) = (row / TILE, row % TILE);
-                for b in 0..kb {
-                    let s = src(row, b);
-                    d[ti * kb + b][r] = u16::from_le_bytes([s[0], s[1]]);
-                    for (i, &byte) in s[2..].iter().enumerate() {
-                        blocks[ti * kb + b].qs[i / 4][4 * r + i % 4] = byte;
+        let kind = match dtype {
+            GgmlDType::Q8_0 => {
+                let mut blocks = vec![Q8Block { qs: [[0; 64]; 8] }; tiles * kb];
+                let mut d = vec![[0u16; TILE]; tiles * kb];
+                for row in 0..out {
+                    let (ti, r) = (row / TILE, row % TILE);
+                    for b in 0..kb {
+                        let s = src(row, b);
+                        d[ti * kb + b][r] = u16::from_le_bytes([s[0], s[1]]);
+                        put_q8(&mut blocks[ti * kb + b], r, &s[2..]);
                     }
                 }
+                Kind::Q8 { blocks, d }
             }
-            Kind::Q8 { blocks, d }
-        } else {
-            let mut blocks = vec![Q4Block { qs: [[0; 64]; 4] }; tiles * kb];
-            let mut dm = vec![[0u16; 2 * TILE]; tiles * kb];
-            for row in 0..out {
-                let (ti, r) = (row / TILE, row % TILE);
-                for b in 0..kb {
-                    let s = src(row, b);
-                    dm[ti * kb + b][r] = u16::from_le_bytes([s[0], s[1]]);
-                    dm[ti * kb + b][TILE + r] = u16::from_le_bytes([s[2], s[3]]);
-                    // GGUF Q4_1: value j (< 16) is the low nibble of byte j, value j + 16 the
-                    // high nibble.
-                    let q = |i: usize| {
-                        let byte = s[4 + i % 16];
-                        if i < 16 { byte & 0x0F } else { byte >> 4 }
-                    };
-                    for h in 0..4 {
-                        for j in 0..4 {
-                            blocks[ti * kb + b].qs[h][4 * r + j] =
-                                q(4 * h + j) | (q(4 * (h + 4) + j) << 4);
+            GgmlDType::Q4_1 => {
+                let mut blocks = vec![Q4Block { qs: [[0; 64]; 4] }; tiles * kb];
+                let mut dm = vec![[0u16; 2 * TILE]; tiles * kb];
+                for row in 0..out {
+                    let (ti, r) = (row / TILE, row % TILE);
+                    for b in 0..kb {
+                        let s = src(row, b);
+                        dm[ti * kb + b][r] = u16::from_le_bytes([s[0], s[1]]);
+                        dm[ti * kb + b][TILE + r] = u16::from_le_bytes([s[2], s[3]]);
+                        // GGUF Q4_1: value j (< 16) is the low nibble of byte j, value j + 16 the
+                        // high nibble.
+                        put_q4(&mut blocks[ti * kb + b], r, |i| {
+                            let byte = s[4 + i % 16];
+                            if i < 16 { byte & 0x0F } else { byte >> 4 }
+                        });
+                    }
+                }
+                Kind::Q4 { blocks, dm }
+            }
+            _ => {
+                let nibbles = dtype == GgmlDType::Q4K;
+                let mut q4 =
+                    vec![Q4Block { qs: [[0; 64]; 4] }; if nibbles { tiles * kb } else { 0 }];
+                let mut q8 =
+                    vec![Q8Block { qs: [[0; 64]; 8] }; if nibbles { 0 } else { tiles * kb }];
+                let mut sc = vec![[0f32; 2 * TILE]; tiles * kb];
+                for row in 0..out {
+                    let (ti, r) = (row / TILE, row % TILE);
+                    for sb in 0..nb {
+                        let k = KBlock::decode(dtype, src(row, sb));
+                        for j in 0..QK_K / BLOCK {
+                            let i = ti * kb + sb * (QK_K / BLOCK) + j;
+                            let q = &k.q[BLOCK * j..BLOCK * (j + 1)];
+                            if dtype == GgmlDType::Q6K {
+                                sc[i][r] = k.d[2 * j];
+                                sc[i][TILE + r] = k.d[2 * j + 1];
+                            } else {
+                                sc[i][r] = k.d[j];
+                                sc[i][TILE + r] = k.m[j];
+                            }
+                            if nibbles {
+                                put_q4(&mut q4[i], r, |v| q[v]);
+                            } else {
+                                put_q8(&mut q8[i], r, q);
+                            }
                         }
                     }
                 }
+                match dtype {
+                    GgmlDType::Q4K => Kind::Q4K { blocks: q4, dm: sc },
+                    GgmlDType::Q5K => Kind::Q5K { blocks: q8, dm: sc },
+                    _ => Kind::Q6K { blocks: q8, d: sc },
+                }
             }
-            Kind::Q4 { blocks, dm }
         };
         Ok(Some(Self {
             out,
@@ -218,36 +470,13 @@ impl Tiles {
         let first = parts.first()?;
         let inp = first.inp;
         let mut out = 0;
-        let mut kind = match &first.kind {
-            Kind::Q8 { .. } => Kind::Q8 {
-                blocks: Vec::new(),
-                d: Vec::new(),
-            },
-            Kind::Q4 { .. } => Kind::Q4 {
-                blocks: Vec::new(),
-                dm: Vec::new(),
-            },
-        };
+        let mut kind = first.kind.empty();
         for (i, p) in parts.iter().enumerate() {
             if p.inp != inp || (i + 1 < parts.len() && p.out % TILE != 0) {
                 return None;
             }
-            match (&mut kind, &p.kind) {
-                (Kind::Q8 { blocks, d }, Kind::Q8 { blocks: b2, d: d2 }) => {
-                    blocks.extend_from_slice(b2);
-                    d.extend_from_slice(d2);
-                }
-                (
-                    Kind::Q4 { blocks, dm },
-                    Kind::Q4 {
-                        blocks: b2,
-                        dm: dm2,
-                    },
-                ) => {
-                    blocks.extend_from_slice(b2);
-                    dm.extend_from_slice(dm2);
-                }
-                _ => return None,
+            if !kind.extend(&p.kind) {
+                return None;
             }
             out += p.out;
         }
@@ -322,25 +551,24 @@ impl Tiles {
             let n = (out.len() - row0).min(4);
             let o = &mut out[row0..row0 + n];
             let a = acts.rows(row0, kb);
+            // The kernel for `n` rows, its const row count spelled out.
+            macro_rules! by_rows {
+                ($kernel:ident, $w:expr, $s:expr) => {{
+                    let (w, s) = (&$w[range.clone()], &$s[range.clone()]);
+                    match n {
+                        1 => self.$kernel::<1>(w, s, a, o),
+                        2 => self.$kernel::<2>(w, s, a, o),
+                        3 => self.$kernel::<3>(w, s, a, o),
+                        _ => self.$kernel::<4>(w, s, a, o),
+                    }
+                }};
+            }
             match &self.kind {
-                Kind::Q8 { blocks, d } => {
-                    let (w, d) = (&blocks[range.clone()], &d[range.clone()]);
-                    match n {
-                        1 => self.q8::<1>(w, d, a, o),
-                        2 => self.q8::<2>(w, d, a, o),
-                        3 => self.q8::<3>(w, d, a, o),
-                        _ => self.q8::<4>(w, d, a, o),
-                    }
-                }
-                Kind::Q4 { blocks, dm } => {
-                    let (w, dm) = (&blocks[range.clone()], &dm[range.clone()]);
-                    match n {
-                        1 => self.q4::<1>(w, dm, a, o),
-                        2 => self.q4::<2>(w, dm, a, o),
-                        3 => self.q4::<3>(w, dm, a, o),
-                        _ => self.q4::<4>(w, dm, a, o),
-                    }
-                }
+                Kind::Q8 { blocks, d } => by_rows!(q8, blocks, d),
+                Kind::Q4 { blocks, dm } => by_rows!(q4, blocks, dm),
+                Kind::Q4K { blocks, dm } => by_rows!(q4, blocks, dm),
+                Kind::Q5K { blocks, dm } => by_rows!(q5k, blocks, dm),
+                Kind::Q6K { blocks, d } => by_rows!(q6k, blocks, d),
             }
             row0 += n;
         }
@@ -384,16 +612,17 @@ impl Tiles {
         }
     }
 
+    /// Nibble weights `d · q + m` (Q4_1 with f16 scales, Q4_K with f32).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn q4<const R: usize>(
         &self,
         blocks: &[Q4Block],
-        dm: &[[u16; 2 * TILE]],
+        dm: &[impl DmScales],
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
-        use std::arch::x86_64::{__m256i, __m512, __m512i};
+        use std::arch::x86_64::{__m512, __m512i};
         let Simd { f, bw } = self.simd;
         let ones = f._mm512_set1_epi16(1);
         let low = f._mm512_set1_epi8(0x0F);
@@ -413,9 +642,7 @@ impl Tiles {
                     acc[r] = bw._mm512_add_epi16(acc[r], bw._mm512_add_epi16(plo, phi));
                 }
             }
-            let [wd, wm]: [[u16; TILE]; 2] = bytemuck::cast(dm[b]);
-            let wd = f._mm512_cvtph_ps(bytemuck::cast::<[u16; TILE], __m256i>(wd));
-            let wm = f._mm512_cvtph_ps(bytemuck::cast::<[u16; TILE], __m256i>(wm));
+            let [wd, wm] = dm[b].load(f);
             for r in 0..R {
                 let sum = f._mm512_cvtepi32_ps(bw._mm512_madd_epi16(acc[r], ones));
                 let scale = f._mm512_mul_ps(wd, f._mm512_set1_ps(acts.d(r, b)));
@@ -428,6 +655,91 @@ impl Tiles {
         }
     }
 
+    /// Q5_K: unsigned byte weights (0..31) `D · q + M`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q5k<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        dm: &[Scales32],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m512, __m512i};
+        let Simd { f, bw } = self.simd;
+        let ones = f._mm512_set1_epi16(1);
+        let zero = f._mm512_setzero_si512();
+        let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
+        for (b, blk) in blocks.iter().enumerate() {
+            // i16 lanes per half block: 8 products of at most 31 · 127, no saturation.
+            let mut acc: [[__m512i; R]; 2] = [[zero; R]; 2];
+            for g in 0..8 {
+                let w: __m512i = bytemuck::cast(blk.qs[g]);
+                for r in 0..R {
+                    let p = bw._mm512_maddubs_epi16(w, f._mm512_set1_epi32(acts.q(r, b)[g]));
+                    acc[g / 4][r] = bw._mm512_add_epi16(acc[g / 4][r], p);
+                }
+            }
+            let [wd, wm]: [__m512; 2] = bytemuck::cast(dm[b]);
+            for r in 0..R {
+                let sum = f._mm512_add_epi32(
+                    bw._mm512_madd_epi16(acc[0][r], ones),
+                    bw._mm512_madd_epi16(acc[1][r], ones),
+                );
+                let scale = f._mm512_mul_ps(wd, f._mm512_set1_ps(acts.d(r, b)));
+                facc[r] = f._mm512_fmadd_ps(f._mm512_cvtepi32_ps(sum), scale, facc[r]);
+                facc[r] = f._mm512_fmadd_ps(wm, f._mm512_set1_ps(acts.s(r, b)), facc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = bytemuck::cast(facc[r]);
+        }
+    }
+
+    /// Q6_K: signed byte weights (-32..31), one scale per 16 values (half block).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q6k<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[Scales32],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m512, __m512i};
+        let Simd { f, bw } = self.simd;
+        let ones = f._mm512_set1_epi16(1);
+        let zero = f._mm512_setzero_si512();
+        let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
+        for (b, blk) in blocks.iter().enumerate() {
+            // i16 lanes per half block: 8 products of at most 32 · 127, no saturation.
+            let mut acc: [[__m512i; R]; 2] = [[zero; R]; 2];
+            for g in 0..8 {
+                let w: __m512i = bytemuck::cast(blk.qs[g]);
+                let mag = bw._mm512_abs_epi8(w);
+                let neg = bw._mm512_movepi8_mask(w);
+                for r in 0..R {
+                    let a = f._mm512_set1_epi32(acts.q(r, b)[g]);
+                    let a = bw._mm512_mask_sub_epi8(a, neg, zero, a);
+                    let p = bw._mm512_maddubs_epi16(mag, a);
+                    acc[g / 4][r] = bw._mm512_add_epi16(acc[g / 4][r], p);
+                }
+            }
+            let [dlo, dhi]: [__m512; 2] = bytemuck::cast(d[b]);
+            for r in 0..R {
+                let da = f._mm512_set1_ps(acts.d(r, b));
+                let lo = f._mm512_cvtepi32_ps(bw._mm512_madd_epi16(acc[0][r], ones));
+                let hi = f._mm512_cvtepi32_ps(bw._mm512_madd_epi16(acc[1][r], ones));
+                facc[r] = f._mm512_fmadd_ps(lo, f._mm512_mul_ps(dlo, da), facc[r]);
+                facc[r] = f._mm512_fmadd_ps(hi, f._mm512_mul_ps(dhi, da), facc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = bytemuck::cast(facc[r]);
+        }
+    }
+
+    // Off x86_64 `Tiles::new` returns `None`, so these are never called.
     #[cfg(not(target_arch = "x86_64"))]
     fn q8<const R: usize>(
         &self,
@@ -436,18 +748,36 @@ impl Tiles {
         _: ActRows<'_>,
         _: &mut [[f32; TILE]],
     ) {
-        // Unreachable: `Tiles::new` returns `None` off x86_64.
     }
 
     #[cfg(not(target_arch = "x86_64"))]
     fn q4<const R: usize>(
         &self,
         _: &[Q4Block],
-        _: &[[u16; 2 * TILE]],
+        _: &[impl DmScales],
         _: ActRows<'_>,
         _: &mut [[f32; TILE]],
     ) {
-        // Unreachable: `Tiles::new` returns `None` off x86_64.
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q5k<const R: usize>(
+        &self,
+        _: &[Q8Block],
+        _: &[Scales32],
+        _: ActRows<'_>,
+        _: &mut [[f32; TILE]],
+    ) {
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q6k<const R: usize>(
+        &self,
+        _: &[Q8Block],
+        _: &[Scales32],
+        _: ActRows<'_>,
+        _: &mut [[f32; TILE]],
+    ) {
     }
 }
 
@@ -699,6 +1029,140 @@ mod tests {
             // A part that does not fill its last tile can only come last.
             let ragged = [&parts[2], &parts[0]];
             assert!(Tiles::stack(&ragged).is_none());
+        }
+    }
+
+    const K_QUANTS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+
+    /// The k-quant weight as candle dequantizes it (f32) against the activations quantized as
+    /// the kernels do, per 32-block `d_a · Σ w · q_a`, in f64.
+    fn reference_dequantized(qt: &QTensor, x: &[f32]) -> Vec<f64> {
+        let w = qt
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let acts = Acts::quantize(x);
+        w.iter()
+            .map(|row| {
+                row.chunks_exact(BLOCK)
+                    .enumerate()
+                    .map(|(b, wb)| {
+                        let qa = acts.q[b].iter().flat_map(|g| g.to_le_bytes());
+                        let dot: f64 = wb
+                            .iter()
+                            .zip(qa)
+                            .map(|(&w, a)| w as f64 * a as i8 as f64)
+                            .sum();
+                        acts.d[b] as f64 * dot
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn k_quant_tiles_equal_candles_dequantized_weights_for_every_row_count() {
+        if !available() {
+            for dtype in K_QUANTS {
+                assert!(Tiles::new(&quantized(40, 512, dtype)).unwrap().is_none());
+            }
+            return;
+        }
+        // 40 and 24 rows leave a partial last tile; widths are whole 256-value superblocks.
+        for dtype in K_QUANTS {
+            for (out, inp) in [(40, 512), (24, 256), (16, 1536)] {
+                let qt = quantized(out, inp, dtype);
+                let tiles = Tiles::new(&qt).unwrap().unwrap();
+                assert_eq!(tiles.dims(), (out, inp));
+                for rows in 1..=MAX_ROWS {
+                    let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+                    let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+                    let xs = x.to_vec2::<f32>().unwrap();
+                    for r in 0..rows {
+                        let want = reference_dequantized(&qt, &xs[r]);
+                        for (a, b) in ours[r].iter().zip(&want) {
+                            // Only the f32 rounding and order of the block sums differ (and
+                            // candle's rounding of each dequantized weight to f32).
+                            let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
+                            assert!((*a as f64 - b).abs() <= tol, "{dtype:?} {a} vs {b}");
+                        }
+                        let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
+                        assert_eq!(alone.to_vec2::<f32>().unwrap()[0], ours[r]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_quant_tiles_are_as_close_to_the_exact_product_as_candles_kernels() {
+        if !available() {
+            return;
+        }
+        // Candle quantizes the activations per 256 values (Q8_K) for k-quant weights, the tiles
+        // per 32 (Q8_0): results differ by that rounding (~0.3 on sums of order 20), so both are
+        // measured against the dequantized weights times the unquantized input.
+        for dtype in K_QUANTS {
+            let w = Tensor::randn(0f32, 1.0, (48, 512), &Device::Cpu).unwrap();
+            let qt = QTensor::quantize(&w, dtype).unwrap();
+            let wd = qt
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let tiles = Tiles::new(&qt).unwrap().unwrap();
+            let qm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (4, 512), &Device::Cpu).unwrap();
+            let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+            let theirs = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            let (mut e_ours, mut e_theirs) = (0f64, 0f64);
+            for (r, xr) in x.to_vec2::<f32>().unwrap().iter().enumerate() {
+                for (o, wr) in wd.iter().enumerate() {
+                    let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    e_ours += (ours[r][o] as f64 - exact).powi(2);
+                    e_theirs += (theirs[r][o] as f64 - exact).powi(2);
+                }
+            }
+            assert!(
+                e_ours <= e_theirs,
+                "{dtype:?}: {e_ours} vs candle {e_theirs}"
+            );
+        }
+    }
+
+    #[test]
+    fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
+        if !available() {
+            return;
+        }
+        for dtype in K_QUANTS {
+            let parts: Vec<Tiles> = [32, 16, 24]
+                .iter()
+                .map(|&o| Tiles::new(&quantized(o, 256, dtype)).unwrap().unwrap())
+                .collect();
+            let stacked = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
+            assert_eq!(stacked.dims(), (72, 256));
+            let x = Tensor::randn(0f32, 1.0, (3, 256), &Device::Cpu).unwrap();
+            let alone: Vec<Tensor> = parts.iter().map(|p| p.matmul(&x).unwrap()).collect();
+            let want = Tensor::cat(&alone, 1).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(stacked.matmul(&x).unwrap().to_vec2::<f32>().unwrap(), want);
+        }
+        // A Q4_K_M file mixes types per tensor: q/k/v or gate/up of different kinds stay apart.
+        let kinds: Vec<Tiles> = [
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4_1,
+        ]
+        .iter()
+        .map(|&d| Tiles::new(&quantized(16, 256, d)).unwrap().unwrap())
+        .collect();
+        for (i, a) in kinds.iter().enumerate() {
+            for (j, b) in kinds.iter().enumerate() {
+                assert_eq!(Tiles::stack(&[a, b]).is_some(), i == j, "{a:?} with {b:?}");
+            }
         }
     }
 

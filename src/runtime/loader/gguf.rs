@@ -49,8 +49,8 @@ pub struct GgufOptions {
     pub requantize: bool,
     /// Keep an f32 copy of each projection for prefill (when it fits the budget).
     pub dense_prefill: bool,
-    /// Repack Q4_1/Q8_0 projections for the tiled AVX-512 decode kernels
-    /// ([`crate::runtime::quant_tiles`]), where the CPU has them.
+    /// Repack Q4_1, Q8_0 and k-quant (Q4_K, Q5_K, Q6_K) projections for the tiled AVX-512
+    /// decode kernels ([`crate::runtime::quant_tiles`]), where the CPU has them.
     pub tiles: bool,
 }
 
@@ -383,7 +383,8 @@ pub fn load_gguf_with(
         } else {
             None
         };
-        // The tiled decode kernels take Q4_1 and Q8_0 as they are in the file.
+        // The tiled decode kernels take Q4_1, Q8_0 and the k-quants Q4_K, Q5_K, Q6_K as they
+        // are in the file (k-quants are never requantized: candle's kernels for them are SIMD).
         let mut tiles = if opts.tiles {
             crate::runtime::quant_tiles::Tiles::new(&t)?
         } else {
