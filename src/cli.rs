@@ -338,6 +338,14 @@ pub struct BenchGenerateArgs {
     pub new_tokens: usize,
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Context depths of the `decode_tok_s_at` decodes (comma-separated; depth 0 is a
+    /// one-token prompt), as llama-bench's `-d`.
+    #[arg(long, value_delimiter = ',', default_value = "0,128,512")]
+    pub depths: Vec<usize>,
+    /// Built-in task whose first Private Rehearsal (N=4 parallel, depth 2, real mode) gives
+    /// `rehearsal_ms`; `none` skips it.
+    #[arg(long, default_value = "bank-test-0007")]
+    pub rehearsal_task: String,
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
     #[arg(long)]

@@ -865,3 +865,34 @@ pub fn diff(a: DiffArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// The `--rehearsal-task` of `envace bench generate` (checked before the benchmark runs):
+/// `None` for `none`.
+pub fn bench_rehearsal_task(task: &str) -> Result<Option<&'static envace::env::tasks::Task>> {
+    if task == "none" {
+        return Ok(None);
+    }
+    find_builtin(task)
+        .map(Some)
+        .with_context(|| format!("--rehearsal-task: unknown task `{task}` (or `none`)"))
+}
+
+/// `rehearsal_ms` of `envace bench generate`: the first Private Rehearsal of `task` played by
+/// `model` in real mode. `None` when the episode never rehearsed (the model proposed no
+/// irreversible call).
+pub fn bench_rehearsal(
+    model: envace::runtime::LocalModel,
+    path: &Path,
+    task: &envace::env::tasks::Task,
+) -> Result<Option<f64>> {
+    let profile = PromptProfile::for_model(path)?;
+    let model = share_model(Box::new(model));
+    let policy = Policy {
+        model: &model,
+        profile: profile.as_ref(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    Ok(rt.block_on(envace::engine::bench::rehearsal_ms(policy, task, 0))?)
+}

@@ -122,9 +122,19 @@ fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Some(Command::Bench(BenchCommand::Generate(a))) => {
+            let task = commands::bench_rehearsal_task(&a.rehearsal_task)?;
             let model = LocalModel::load(&a.model, a.device)
                 .with_context(|| format!("loading {}", a.model.display()))?;
-            let r = envace::runtime::bench::run(&model, a.prompt_tokens, a.new_tokens, a.runs)?;
+            let mut r = envace::runtime::bench::run(
+                &model,
+                a.prompt_tokens,
+                a.new_tokens,
+                a.runs,
+                &a.depths,
+            )?;
+            if let Some(task) = task {
+                r.rehearsal_ms = commands::bench_rehearsal(model, &a.model, task)?;
+            }
             if a.json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {

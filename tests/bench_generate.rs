@@ -1,5 +1,6 @@
 //! `envace bench generate` at short prompts (it used to index past a prompt shorter than 72
-//! tokens) and its batch of prompts of different lengths.
+//! tokens), its decode-at-depth and rehearsal keys, and its batch of prompts of different
+//! lengths.
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -24,6 +25,10 @@ fn bench_generate_runs_at_short_prompts() {
                 "4",
                 "--runs",
                 "1",
+                "--depths",
+                "0,7",
+                "--rehearsal-task",
+                "none",
                 "--json",
             ])
             .output()
@@ -42,7 +47,26 @@ fn bench_generate_runs_at_short_prompts() {
         ] {
             assert!(v[k].as_f64().unwrap() > 0.0, "{prompt}: {k} in {v}");
         }
+        let at = v["decode_tok_s_at"].as_object().unwrap();
+        assert_eq!(at.keys().collect::<Vec<_>>(), ["0", "7"], "{v}");
+        assert!(at.values().all(|x| x.as_f64().unwrap() > 0.0), "{v}");
+        assert!(v["rehearsal_ms"].is_null(), "skipped: {v}");
     }
+    // One new token needs no forward pass: nothing to time.
+    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "bench",
+            "generate",
+            "--model",
+            "models/envace-tiny",
+            "--new-tokens",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--new-tokens"));
     let o = Command::new(env!("CARGO_BIN_EXE_envace"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args([
@@ -57,6 +81,49 @@ fn bench_generate_runs_at_short_prompts() {
         .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--prompt-tokens"));
+}
+
+/// `rehearsal_ms` times a real Private Rehearsal: the bundled model's bank-test-0007 reaches
+/// its irreversible `transfer` and rehearses it.
+#[test]
+fn bench_generate_times_one_private_rehearsal() {
+    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "bench",
+            "generate",
+            "--model",
+            "models/envace-tiny",
+            "--prompt-tokens",
+            "16",
+            "--new-tokens",
+            "4",
+            "--runs",
+            "1",
+            "--depths",
+            "0",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ms = v["rehearsal_ms"].as_f64().unwrap_or_else(|| panic!("{v}"));
+    assert!(ms > 0.0 && ms < 600_000.0, "{v}");
+    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "bench",
+            "generate",
+            "--model",
+            "models/envace-tiny",
+            "--rehearsal-task",
+            "bank-nope",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--rehearsal-task"));
 }
 
 #[test]

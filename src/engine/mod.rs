@@ -12,6 +12,7 @@
 //! - [`runner`]: THE launcher ([`launch`]) and what is built on it (a task to a session file,
 //!   a fork, a split evaluation).
 //! - [`eval`]: the `envace eval` summary over episode outcomes.
+//! - [`bench`]: the wall time of one Private Rehearsal, for `envace bench generate`.
 //! - [`fidelity`]: simulated-vs-real response metrics (shadow mode).
 //! - [`fork`]: counterfactual re-runs: continue a saved session from one of its main-line
 //!   events, optionally after editing a tool result or an actor message.
@@ -19,6 +20,7 @@
 //!
 //! Data flows one way: runtime ← engine → env; engine → session.
 
+pub mod bench;
 pub mod bfcl_eval;
 pub mod driver;
 pub mod episode;

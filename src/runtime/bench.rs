@@ -1,6 +1,15 @@
-//! `envace bench generate`: prefill and decode throughput, batched decode, and the cost of K
-//! rehearsal branches relative to one (the prompt is prefilled once and shared). Medians of
-//! repeated runs; run on a quiet machine (candle's thread pool degrades when cores are shared).
+//! `envace bench generate`: prefill and decode throughput, decode at fixed context depths,
+//! batched decode, and the cost of K rehearsal branches relative to one (the prompt is
+//! prefilled once and shared). Medians of repeated runs; run on a quiet machine (candle's thread
+//! pool degrades when cores are shared).
+//!
+//! Counting, so that the numbers compare with llama.cpp's `llama-bench`: a decode rate is
+//! forward passes per second. The first new token is sampled from the prefill's logits (no
+//! forward of its own), so N new tokens cost N − 1 forwards and count as N − 1; `tg128` in
+//! llama-bench runs 128 one-token forwards. Decode "at depth D" is the decode after a D-token
+//! prefill (depth 0: a one-token prompt), as `llama-bench -d D`.
+
+use std::collections::BTreeMap;
 
 use std::time::Instant;
 
@@ -20,14 +29,25 @@ pub struct GenerateBench {
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub prefill_tok_s: f64,
-    /// One row, after the `prompt_tokens` prefill.
+    /// One row, after the `prompt_tokens` prefill (forwards per second).
     pub decode_tok_s: f64,
+    /// One row at each context depth (`--depths`, default 0, 128 and 512), by depth.
+    pub decode_tok_s_at: BTreeMap<String, f64>,
     /// Eight prompts of different lengths (left-padded), the longest `prompt_tokens`.
     pub decode_tok_s_b8: f64,
     /// Decode time of 8 branches / decode time of 1, each after one shared prefill (prefill
     /// not timed).
     pub branch_ratio_k8: f64,
+    /// Wall time of one Private Rehearsal (N=4 parallel branches, depth 2) in a real episode,
+    /// from its start to its rehearsal memory (filled by the caller, which owns the engine;
+    /// `None` when not measured or when the episode never reached an irreversible call).
+    pub rehearsal_ms: Option<f64>,
     pub runs: usize,
+}
+
+/// Forward passes per second of a decode that produced `tokens` new tokens in `seconds`.
+fn forwards_per_s(tokens: usize, seconds: f64) -> f64 {
+    tokens.saturating_sub(1) as f64 / seconds
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -63,6 +83,7 @@ pub fn run(
     prompt_tokens: usize,
     new_tokens: usize,
     runs: usize,
+    depths: &[usize],
 ) -> Result<GenerateBench, RuntimeError> {
     let cancel = CancelToken::new();
     // EOS disabled so that every run decodes exactly `new_tokens`.
@@ -70,12 +91,15 @@ pub fn run(
         eos: &[],
         ..model.context()
     };
-    if prompt_tokens == 0 || new_tokens == 0 {
+    if prompt_tokens == 0 || new_tokens < 2 {
         return Err(RuntimeError::Generation(
-            "bench generate: --prompt-tokens and --new-tokens must be at least 1".into(),
+            "bench generate: --prompt-tokens must be at least 1 and --new-tokens at least 2 \
+             (the first new token needs no forward pass)"
+                .into(),
         ));
     }
     let prompt = bench_prompt(model, prompt_tokens)?;
+    let deep = bench_prompt(model, depths.iter().copied().max().unwrap_or(0).max(1))?;
     let greedy = SamplingParams {
         max_tokens: new_tokens,
         ..Default::default()
@@ -87,6 +111,7 @@ pub fn run(
     };
     let (mut prefill, mut decode, mut b8, mut ratio) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut at: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     // Warm-up (allocations, thread pool).
     let mut p = Prefix::new(&model.decoder, &prompt[..prompt.len().min(32)])?;
     p.generate(
@@ -108,13 +133,29 @@ pub fn run(
         let t = Instant::now();
         let out = prefix.generate(ctx, 1, &greedy, None, &cancel)?;
         let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
-        decode.push(n as f64 / t.elapsed().as_secs_f64());
+        decode.push(forwards_per_s(n, t.elapsed().as_secs_f64()));
+
+        // Decode at each depth: a `depth`-token prefill (not timed), then the new tokens.
+        for &depth in depths {
+            let mut p = Prefix::new(&model.decoder, &deep[..depth.max(1)])?;
+            let t = Instant::now();
+            let out = p.generate(ctx, 1, &greedy, None, &cancel)?;
+            let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
+            at.entry(depth)
+                .or_default()
+                .push(forwards_per_s(n, t.elapsed().as_secs_f64()));
+        }
 
         // Eight prompts of different lengths (real left padding), the longest at b1's context.
         let rows = batch_prompts(&prompt);
         let t = Instant::now();
         let out = generate_batch(ctx, &rows, &greedy, None, &cancel)?;
-        let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
+        // The batch's prefill is inside this timing (one left-padded batch), its first tokens
+        // are not: 8 × (N − 1) row-forwards.
+        let n: usize = out
+            .iter()
+            .map(|(g, _)| g.response_ids.len().saturating_sub(1))
+            .sum();
         b8.push(n as f64 / t.elapsed().as_secs_f64());
 
         // Branch cost: decode time of 8 branches over 1, after one shared prefill each (the
@@ -138,8 +179,13 @@ pub fn run(
         new_tokens,
         prefill_tok_s: median(prefill),
         decode_tok_s: median(decode),
+        decode_tok_s_at: at
+            .into_iter()
+            .map(|(d, xs)| (d.to_string(), median(xs)))
+            .collect(),
         decode_tok_s_b8: median(b8),
         branch_ratio_k8: median(ratio),
+        rehearsal_ms: None,
         runs: runs.max(1),
     })
 }
