@@ -50,16 +50,20 @@ pub struct GgufOptions {
     /// Keep an f32 copy of each projection for prefill (when it fits the budget).
     pub dense_prefill: bool,
     /// Repack Q4_1, Q8_0 and k-quant (Q4_K, Q5_K, Q6_K) projections for the tiled AVX-512
-    /// decode kernels ([`crate::runtime::quant_tiles`]), where the CPU has them.
+    /// decode kernels ([`crate::runtime::quant_tiles`]), where the CPU has them. Off when
+    /// `ENVACE_NO_TILES` is set (A/B runs against candle's kernels, like `ENVACE_SLOW_OPS`).
     pub tiles: bool,
 }
+
+/// Environment switch that turns the tiled decode kernels off.
+pub const NO_TILES_ENV: &str = "ENVACE_NO_TILES";
 
 impl Default for GgufOptions {
     fn default() -> Self {
         Self {
             requantize: true,
             dense_prefill: true,
-            tiles: true,
+            tiles: std::env::var_os(NO_TILES_ENV).is_none(),
         }
     }
 }
