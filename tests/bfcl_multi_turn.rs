@@ -239,3 +239,67 @@ fn tiny_model_runs_two_entries_and_writes_a_well_formed_responses_file() {
     ]);
     assert_eq!(again["results"], v["results"]);
 }
+
+#[test]
+fn environment_trait_runs_calls_on_the_official_instances_and_scores_a_trace() {
+    use envace::env::bfcl_multi::BfclMultiEnv;
+    use envace::env::{Environment, EpisodeTrace, ToolResponse};
+
+    let data = data();
+    let entries = load_multi_category(&data, "multi_turn_base").unwrap();
+    let mut bridge = Bridge::spawn(&Bridge::default_python(&data)).unwrap();
+    let truth = bridge.ground_truth_calls(&entries[0]).unwrap();
+    let mut env = BfclMultiEnv::new("multi_turn_base", entries[..2].to_vec(), bridge);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        assert!(env.reset(Some("multi_turn_base_7")).await.is_err());
+        env.reset(Some("multi_turn_base_0")).await.unwrap();
+        assert_eq!(env.name(), "bfcl:multi_turn_base");
+        assert_eq!(env.user_turns().len(), 4);
+        let tools = env.tools().await.unwrap();
+        assert!(tools.iter().any(|t| t.name == "mv"), "{tools:?}");
+        assert!(tools.iter().any(|t| t.name == "post_tweet"), "{tools:?}");
+
+        let before = env.state_hash().await.unwrap();
+        let r = env
+            .call(&envace::message::ToolCall {
+                name: "mkdir".into(),
+                arguments: json!({"dir_name": "x"}),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            r,
+            ToolResponse::Success {
+                value: json!("None")
+            }
+        );
+        assert_ne!(env.state_hash().await.unwrap(), before);
+        let snap = env.snapshot().await.unwrap();
+        assert!(snap["GorillaFileSystem"]["root"].is_string(), "{snap}");
+
+        // The ground truth as an episode trace scores 1; without its last turn, 0.
+        let mut trace = EpisodeTrace {
+            finished_normally: true,
+            ..EpisodeTrace::default()
+        };
+        for calls in &truth {
+            trace.actions.extend(calls.iter().cloned());
+            trace.turn_ends.push(trace.actions.len());
+            trace.agent_messages.push("done".into());
+        }
+        let score = env.score(&trace).await.unwrap();
+        assert_eq!(score.reward, 1.0, "{score:?}");
+        // Scoring left the live state alone.
+        assert_eq!(env.snapshot().await.unwrap(), snap);
+        trace.turn_ends.pop();
+        let n = trace.turn_ends.last().copied().unwrap();
+        trace.actions.truncate(n);
+        let score = env.score(&trace).await.unwrap();
+        assert_eq!(score.reward, 0.0);
+        assert!(
+            score.checklist[0].reason.contains("force_terminated"),
+            "{score:?}"
+        );
+    });
+}
