@@ -635,7 +635,8 @@ pub fn trace_turns(trace: &EpisodeTrace) -> Turns {
 
 /// A multi-turn category behind [`Environment`]: `reset(Some(id))` picks an entry, calls run on
 /// the official instances, `score` asks the official checker. Tool results are the official
-/// executor's strings (its errors too, as BFCL feeds them back).
+/// executor's strings (its errors too, as BFCL feeds them back). The bridge is a pipe to a
+/// local process: its calls block the async task briefly, as a domain's in-process calls do.
 pub struct BfclMultiEnv {
     category: String,
     entries: Vec<MultiEntry>,
@@ -674,7 +675,6 @@ impl Environment for BfclMultiEnv {
         Ok(self.entry().map(MultiEntry::tools).unwrap_or_default())
     }
 
-    /// Calls to the bridge block briefly (a pipe to a local process).
     async fn reset(&mut self, task_id: Option<&str>) -> Result<(), EnvError> {
         let i = match task_id {
             None if !self.entries.is_empty() => 0,
