@@ -3,6 +3,9 @@
 //! text into calls. `envace eval bfcl --model` drives it through the env layer's
 //! [`BfclResponder`] seam, which writes and scores the responses (`env::bfcl`).
 //!
+//! Multi-turn categories use [`ModelResponder::step`]: the env layer (`env::bfcl_multi`) runs the
+//! turns on the official environments and asks for one step at a time.
+//!
 //! It exists so that the env layer never imports the runtime or the engine. It must not score
 //! anything itself (scoring is the checker's, in one place), nor change the prompt beyond what
 //! BFCL gives: no system prompt of ours, no thinking, no retries.
@@ -11,7 +14,9 @@ use std::path::Path;
 
 use crate::engine::parse::parse_actor;
 use crate::engine::prompts::tools_json;
+use crate::env::ToolSpec;
 use crate::env::bfcl::{BfclEntry, BfclResponder, BfclResponse, BoxError};
+use crate::message::{Message, ToolCall};
 use crate::runtime::{
     CancelToken, ChatPrompt, DeviceChoice, LanguageModel, LocalModel, RuntimeError, SamplingParams,
 };
@@ -67,11 +72,43 @@ impl<M: LanguageModel> ModelResponder<M> {
             raw: Some(text),
         })
     }
+
+    /// One step of a multi-turn entry (`env::bfcl_multi::run_entry` drives the turns): the
+    /// conversation so far, with the tool results fed back, and the entry's tools, rendered the
+    /// same way; the calls parsed from the generation, and the generation.
+    pub fn step(
+        &mut self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+    ) -> Result<(Vec<ToolCall>, String), RuntimeError> {
+        let tools = tools_json(tools);
+        let chat = ChatPrompt {
+            messages,
+            tools: &tools,
+            enable_thinking: false,
+        };
+        let text = self
+            .model
+            .generate_chat(&chat, 1, &self.params, None, &self.cancel)?
+            .into_iter()
+            .next()
+            .map(|g| g.text)
+            .unwrap_or_default();
+        Ok((parse_actor(&text).calls().to_vec(), text))
+    }
 }
 
 impl<M: LanguageModel> BfclResponder for ModelResponder<M> {
     fn respond(&mut self, entry: &BfclEntry) -> Result<BfclResponse, BoxError> {
         Ok(self.answer(entry)?)
+    }
+
+    fn chat(
+        &mut self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+    ) -> Result<(Vec<ToolCall>, String), BoxError> {
+        Ok(self.step(messages, tools)?)
     }
 }
 

@@ -140,7 +140,7 @@ impl BfclEntry {
     }
 }
 
-fn dict_to_object(v: Value) -> Value {
+pub(crate) fn dict_to_object(v: Value) -> Value {
     match v {
         Value::Object(m) => Value::Object(
             m.into_iter()
@@ -158,7 +158,7 @@ fn dict_to_object(v: Value) -> Value {
     }
 }
 
-fn read_jsonl(path: &Path) -> Result<Vec<Value>, BfclError> {
+pub(crate) fn read_jsonl(path: &Path) -> Result<Vec<Value>, BfclError> {
     let text = std::fs::read_to_string(path).map_err(|source| BfclError::Io {
         path: path.to_path_buf(),
         source,
@@ -178,7 +178,7 @@ fn read_jsonl(path: &Path) -> Result<Vec<Value>, BfclError> {
     Ok(out)
 }
 
-fn field<T: serde::de::DeserializeOwned>(
+pub(crate) fn field<T: serde::de::DeserializeOwned>(
     v: &Value,
     key: &str,
     path: &Path,
@@ -771,6 +771,17 @@ pub fn write_response(
 /// The seam lets this layer write and score responses without knowing models.
 pub trait BfclResponder {
     fn respond(&mut self, entry: &BfclEntry) -> Result<BfclResponse, BoxError>;
+
+    /// One step of a multi-turn conversation (`env::bfcl_multi`): the conversation so far and
+    /// the tools on offer in, the calls parsed from the generation and the generation out.
+    fn chat(
+        &mut self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+    ) -> Result<(Vec<ToolCall>, String), BoxError> {
+        let _ = (messages, tools);
+        Err("this responder answers single-turn entries only".into())
+    }
 }
 
 /// Answer every entry with `responder`, appending each response to `out` (when given) as it

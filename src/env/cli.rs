@@ -11,7 +11,12 @@ use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
 use crate::env::bfcl::{
-    BfclResponder, collect_responses, evaluate, load_category, load_responses, responses_by_id,
+    BfclReport, BfclResponder, collect_responses, evaluate, load_category, load_responses,
+    responses_by_id,
+};
+use crate::env::bfcl_multi::{
+    Bridge, collect_multi_responses, evaluate_multi, ground_truth_responses, is_multi_turn,
+    load_multi_category, load_multi_responses, multi_responses_by_id,
 };
 use crate::env::domains::Domain;
 use crate::env::mcp_client::{McpEnv, McpServerConfig};
@@ -160,7 +165,11 @@ pub struct TasksArgs {
 /// `envace eval bfcl --data DIR --category NAME (--responses FILE | --model PATH) [--limit N]
 /// [--out FILE] [--json]`
 #[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("answers").required(true).args(["responses", "model"])))]
+#[command(group(
+    clap::ArgGroup::new("answers")
+        .required(true)
+        .args(["responses", "model", "ground_truth"])
+))]
 pub struct BfclEvalArgs {
     /// Directory holding BFCL_v4_<category>.json and possible_answer/.
     #[arg(long)]
@@ -190,6 +199,18 @@ pub struct BfclEvalArgs {
     /// Print one JSON object, with a verdict per entry (`results`).
     #[arg(long)]
     pub json: bool,
+    /// Multi-turn categories: answer with the ground truth (each turn's calls, arguments named),
+    /// the conformance check of the bridge and the official checker; --out writes the answers.
+    #[arg(long)]
+    pub ground_truth: bool,
+    /// Multi-turn categories with --model: most steps with calls in one turn; one more
+    /// force-quits the entry (BFCL's MAXIMUM_STEP_LIMIT is 20).
+    #[arg(long, default_value_t = crate::env::bfcl_multi::DEFAULT_MAX_STEPS)]
+    pub max_steps: usize,
+    /// Multi-turn categories: the Python that runs the official environments (default: the
+    /// venv scripts/fetch-bfcl builds next to --data, `<data>/../venv/bin/python`).
+    #[arg(long)]
+    pub python: Option<PathBuf>,
 }
 
 fn print_json(v: &Value) -> Result<()> {
@@ -532,6 +553,14 @@ pub fn eval_bfcl<E>(args: &BfclEvalArgs, load: BfclModelLoader<'_, E>) -> Result
 where
     E: Into<anyhow::Error>,
 {
+    if is_multi_turn(&args.category) {
+        return eval_bfcl_multi(args, load);
+    }
+    if args.ground_truth {
+        bail!(
+            "--ground-truth answers multi-turn categories only (single-turn: scripts/bfcl-conformance)"
+        );
+    }
     // Checked here, not with clap's `requires`: clap waives a requirement that conflicts with a
     // present argument, and --model conflicts with --responses.
     if args.out.is_some() && args.model.is_none() {
@@ -568,9 +597,77 @@ where
         (None, None) => bail!("give --responses FILE or --model PATH"),
     };
     let report = evaluate(&entries, &args.category, &responses);
+    fill_report(&mut v, &report)?;
+    Ok(v)
+}
+
+fn fill_report(v: &mut Value, report: &BfclReport) -> Result<()> {
     v["accuracy"] = json!(report.accuracy());
     v["correct"] = json!(report.correct);
     v["total"] = json!(report.total);
     v["results"] = serde_json::to_value(&report.results)?;
+    Ok(())
+}
+
+/// `eval bfcl` on a multi-turn category: the official environments and checker through the
+/// bridge (`env::bfcl_multi`); the same summary keys as the single-turn categories.
+fn eval_bfcl_multi<E>(args: &BfclEvalArgs, load: BfclModelLoader<'_, E>) -> Result<Value>
+where
+    E: Into<anyhow::Error>,
+{
+    if args.out.is_some() && args.model.is_none() && !args.ground_truth {
+        bail!(
+            "--out writes the responses of --model or --ground-truth; with --responses there is nothing to write"
+        );
+    }
+    let mut entries = load_multi_category(&args.data, &args.category)?;
+    entries.truncate(args.limit.unwrap_or(entries.len()));
+    let python = args
+        .python
+        .clone()
+        .unwrap_or_else(|| Bridge::default_python(&args.data));
+    let mut bridge = Bridge::spawn(&python)?;
+    let mut v = json!({"category": args.category});
+    let responses = match (&args.responses, &args.model) {
+        (Some(path), _) => load_multi_responses(path)?,
+        (None, Some(model)) => {
+            let t0 = Instant::now();
+            let mut responder = load(model, args.max_tokens, &args.device)
+                .map_err(Into::into)
+                .with_context(|| format!("loading model {}", model.display()))?;
+            let quiet = args.json;
+            let answered = collect_multi_responses(
+                &entries,
+                responder.as_mut(),
+                &mut bridge,
+                args.max_steps,
+                args.out.as_deref(),
+                |i, n, r| {
+                    if !quiet {
+                        let calls: usize = r.turns.iter().flatten().map(Vec::len).sum();
+                        eprintln!(
+                            "[{i}/{n}] {}: {} turn(s), {calls} call(s)",
+                            r.id,
+                            r.turns.len()
+                        );
+                    }
+                },
+            )?;
+            v["model"] = json!(model.display().to_string());
+            v["seconds"] = json!(t0.elapsed().as_secs_f64());
+            multi_responses_by_id(&answered)
+        }
+        (None, None) if args.ground_truth => multi_responses_by_id(&ground_truth_responses(
+            &entries,
+            &mut bridge,
+            args.out.as_deref(),
+        )?),
+        (None, None) => bail!("give --responses FILE, --model PATH or --ground-truth"),
+    };
+    if let Some(out) = &args.out {
+        v["responses"] = json!(out.display().to_string());
+    }
+    let report = evaluate_multi(&entries, &responses, &mut bridge)?;
+    fill_report(&mut v, &report)?;
     Ok(v)
 }

@@ -12,6 +12,7 @@ use crate::message::ToolCall;
 pub use crate::session::format::{ChecklistItem, ToolAnnotations, ToolResponse, ToolSpec};
 
 pub mod bfcl;
+pub mod bfcl_multi;
 pub mod cli;
 pub mod domain_env;
 pub mod domains;
