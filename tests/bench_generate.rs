@@ -5,34 +5,39 @@
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 use envace::runtime::bench::batch_prompts;
+
+/// Run the built `envace` from the repository root.
+fn envace(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(args)
+        .output()
+        .unwrap()
+}
 
 #[test]
 fn bench_generate_runs_at_short_prompts() {
     for prompt in ["1", "5", "40"] {
-        let o = Command::new(env!("CARGO_BIN_EXE_envace"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args([
-                "bench",
-                "generate",
-                "--model",
-                "models/envace-tiny",
-                "--prompt-tokens",
-                prompt,
-                "--new-tokens",
-                "4",
-                "--runs",
-                "1",
-                "--depths",
-                "0,7",
-                "--rehearsal-task",
-                "none",
-                "--json",
-            ])
-            .output()
-            .unwrap();
+        let o = envace(&[
+            "bench",
+            "generate",
+            "--model",
+            "models/envace-tiny",
+            "--prompt-tokens",
+            prompt,
+            "--new-tokens",
+            "4",
+            "--runs",
+            "1",
+            "--depths",
+            "0,7",
+            "--rehearsal-task",
+            "none",
+            "--json",
+        ]);
         assert!(
             o.status.success(),
             "{prompt}: {}",
@@ -53,32 +58,24 @@ fn bench_generate_runs_at_short_prompts() {
         assert!(v["rehearsal_ms"].is_null(), "skipped: {v}");
     }
     // One new token needs no forward pass: nothing to time.
-    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "bench",
-            "generate",
-            "--model",
-            "models/envace-tiny",
-            "--new-tokens",
-            "1",
-        ])
-        .output()
-        .unwrap();
+    let o = envace(&[
+        "bench",
+        "generate",
+        "--model",
+        "models/envace-tiny",
+        "--new-tokens",
+        "1",
+    ]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--new-tokens"));
-    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "bench",
-            "generate",
-            "--model",
-            "models/envace-tiny",
-            "--prompt-tokens",
-            "0",
-        ])
-        .output()
-        .unwrap();
+    let o = envace(&[
+        "bench",
+        "generate",
+        "--model",
+        "models/envace-tiny",
+        "--prompt-tokens",
+        "0",
+    ]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--prompt-tokens"));
 }
@@ -87,41 +84,33 @@ fn bench_generate_runs_at_short_prompts() {
 /// its irreversible `transfer` and rehearses it.
 #[test]
 fn bench_generate_times_one_private_rehearsal() {
-    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "bench",
-            "generate",
-            "--model",
-            "models/envace-tiny",
-            "--prompt-tokens",
-            "16",
-            "--new-tokens",
-            "4",
-            "--runs",
-            "1",
-            "--depths",
-            "0",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let o = envace(&[
+        "bench",
+        "generate",
+        "--model",
+        "models/envace-tiny",
+        "--prompt-tokens",
+        "16",
+        "--new-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--depths",
+        "0",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let ms = v["rehearsal_ms"].as_f64().unwrap_or_else(|| panic!("{v}"));
     assert!(ms > 0.0 && ms < 600_000.0, "{v}");
-    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args([
-            "bench",
-            "generate",
-            "--model",
-            "models/envace-tiny",
-            "--rehearsal-task",
-            "bank-nope",
-        ])
-        .output()
-        .unwrap();
+    let o = envace(&[
+        "bench",
+        "generate",
+        "--model",
+        "models/envace-tiny",
+        "--rehearsal-task",
+        "bank-nope",
+    ]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--rehearsal-task"));
 }

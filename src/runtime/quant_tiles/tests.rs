@@ -1,0 +1,332 @@
+//! Exactness tests of the tiled kernels: every kind against the file's dequantized weights
+//! (f64 reference per block) for 1-8 rows and ragged tiles, stacking, and refusals.
+
+use super::*;
+use candle_core::Module;
+use candle_core::quantized::QMatMul;
+
+/// The weight's own dot product in f64: its stored blocks (scales through f16) against the
+/// activations quantized as the kernels do, integer sums per block.
+fn reference(qt: &QTensor, x: &[f32]) -> Vec<f64> {
+    let (out, inp) = qt.shape().dims2().unwrap();
+    let data = qt.data().unwrap();
+    let kb = inp / BLOCK;
+    let acts = Acts::quantize(x);
+    let bb = data.len() / (out * kb);
+    let h = |s: &[u8], i: usize| f16::from_le_bytes([s[i], s[i + 1]]).to_f32() as f64;
+    (0..out)
+        .map(|o| {
+            (0..kb)
+                .map(|b| {
+                    let s = &data[(o * kb + b) * bb..(o * kb + b + 1) * bb];
+                    let qa: Vec<i64> = acts.q[b]
+                        .iter()
+                        .flat_map(|g| g.to_le_bytes().map(|v| v as i8 as i64))
+                        .collect();
+                    let da = acts.d[b] as f64;
+                    match qt.dtype() {
+                        GgmlDType::Q8_0 => {
+                            let isum: i64 = s[2..]
+                                .iter()
+                                .zip(&qa)
+                                .map(|(&w, a)| w as i8 as i64 * a)
+                                .sum();
+                            h(s, 0) * da * isum as f64
+                        }
+                        _ => (0..BLOCK)
+                            .map(|i| {
+                                let byte = s[4 + i % 16];
+                                let q = if i < 16 { byte & 15 } else { byte >> 4 } as f64;
+                                (h(s, 0) * q + h(s, 2)) * da * qa[i] as f64
+                            })
+                            .sum(),
+                    }
+                })
+                .sum()
+        })
+        .collect()
+}
+
+fn quantized(out: usize, inp: usize, dtype: GgmlDType) -> QTensor {
+    let w = Tensor::randn(0f32, 1.0, (out, inp), &Device::Cpu).unwrap();
+    QTensor::quantize(&w, dtype).unwrap()
+}
+
+/// Without AVX-512BW the loader keeps candle's quantized matmul (`Tiles::new` gives `None`):
+/// that fallback must compute the same block dot products the tiles would.
+fn check_fallback(dtype: GgmlDType, out: usize, inp: usize) {
+    let w = Tensor::randn(0f32, 1.0, (out, inp), &Device::Cpu).unwrap();
+    let qt = QTensor::quantize(&w, dtype).unwrap();
+    let requant = matches!(dtype, GgmlDType::Q4_1);
+    let qm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+    for rows in [1, 3, MAX_ROWS] {
+        let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+        let got = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        for (r, xr) in x.to_vec2::<f32>().unwrap().iter().enumerate() {
+            let want = reference(&qt, xr);
+            for (a, b) in got[r].iter().zip(&want) {
+                // For Q8_0 weights candle quantizes activations to Q8_0 as the tiles do (only
+                // summation order differs); for Q4_1 to Q8_1, whose block sums are stored as
+                // f16.
+                // Terms are ~N(0, 1), so a row's sum is of order sqrt(inp); a wrong
+                // kernel or layout is off by that much.
+                let tol = if requant {
+                    5e-3 * (inp as f64).sqrt()
+                } else {
+                    1e-4 * (1.0 + b.abs())
+                };
+                assert!(
+                    (*a as f64 - b).abs() <= tol,
+                    "{dtype:?} fallback {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn candles_quantized_matmul_fallback_matches_the_block_reference() {
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        check_fallback(dtype, 40, 576);
+        check_fallback(dtype, 16, 32);
+    }
+}
+
+#[test]
+fn tiles_equal_the_blocks_dot_product_for_every_row_count_and_a_ragged_tile() {
+    if !available() {
+        // What runs instead on this CPU.
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            assert!(Tiles::new(&quantized(40, 576, dtype)).unwrap().is_none());
+            check_fallback(dtype, 40, 576);
+        }
+        return;
+    }
+    // 40 rows leave a partial last tile.
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        for (out, inp) in [(40, 576), (64, 1536), (16, 32)] {
+            let qt = quantized(out, inp, dtype);
+            let tiles = Tiles::new(&qt).unwrap().unwrap();
+            for rows in 1..=MAX_ROWS {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+                let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+                let xs = x.to_vec2::<f32>().unwrap();
+                for r in 0..rows {
+                    let want = reference(&qt, &xs[r]);
+                    for (a, b) in ours[r].iter().zip(&want) {
+                        // Only the f32 rounding and order of the block sums differ.
+                        let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
+                        assert!((*a as f64 - b).abs() <= tol, "{dtype:?} {a} vs {b}");
+                    }
+                    // Each row equals the same row alone, bit for bit.
+                    let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
+                    assert_eq!(alone.to_vec2::<f32>().unwrap()[0], ours[r]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_tiles_match_candles_q8_kernel() {
+    // candle's kernel is what runs without the tiles: it must match the block reference.
+    check_fallback(GgmlDType::Q8_0, 48, 576);
+    if !available() {
+        return;
+    }
+    // 576 is not a multiple of 256: candle runs its Q8_0 × Q8_0 vec_dot (its VNNI path for
+    // multiples of 256 quantizes activations per 256 values instead).
+    let w = Tensor::randn(0f32, 1.0, (48, 576), &Device::Cpu).unwrap();
+    let tiles = Tiles::new(&QTensor::quantize(&w, GgmlDType::Q8_0).unwrap())
+        .unwrap()
+        .unwrap();
+    let qm = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap()).unwrap();
+    for rows in [1, 3, 8] {
+        let x = Tensor::randn(0f32, 1.0, (rows, 576), &Device::Cpu).unwrap();
+        let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+        let theirs = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        for (a, b) in ours.iter().flatten().zip(theirs.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs candle {b}");
+        }
+    }
+}
+
+#[test]
+fn stacked_tiles_equal_the_parts_side_by_side() {
+    if !available() {
+        // Nothing is stacked into tiles here; the loader's stacked QMatMul serves instead
+        // (tests/runtime.rs compares the whole GGUF model with candle's quantized llama).
+        assert!(Tiles::stack(&[]).is_none());
+        check_fallback(GgmlDType::Q8_0, 72, 64);
+        return;
+    }
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        let parts: Vec<Tiles> = [32, 16, 24]
+            .iter()
+            .map(|&o| Tiles::new(&quantized(o, 64, dtype)).unwrap().unwrap())
+            .collect();
+        let stacked = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(stacked.dims(), (72, 64));
+        let x = Tensor::randn(0f32, 1.0, (2, 64), &Device::Cpu).unwrap();
+        let alone: Vec<Tensor> = parts.iter().map(|p| p.matmul(&x).unwrap()).collect();
+        let want = Tensor::cat(&alone, 1).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(stacked.matmul(&x).unwrap().to_vec2::<f32>().unwrap(), want);
+        // A part that does not fill its last tile can only come last.
+        let ragged = [&parts[2], &parts[0]];
+        assert!(Tiles::stack(&ragged).is_none());
+    }
+}
+
+const K_QUANTS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+
+/// The k-quant weight as candle dequantizes it (f32) against the activations quantized as
+/// the kernels do, per 32-block `d_a · Σ w · q_a`, in f64.
+fn reference_dequantized(qt: &QTensor, x: &[f32]) -> Vec<f64> {
+    let w = qt
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let acts = Acts::quantize(x);
+    w.iter()
+        .map(|row| {
+            row.chunks_exact(BLOCK)
+                .enumerate()
+                .map(|(b, wb)| {
+                    let qa = acts.q[b].iter().flat_map(|g| g.to_le_bytes());
+                    let dot: f64 = wb
+                        .iter()
+                        .zip(qa)
+                        .map(|(&w, a)| w as f64 * a as i8 as f64)
+                        .sum();
+                    acts.d[b] as f64 * dot
+                })
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn k_quant_tiles_equal_candles_dequantized_weights_for_every_row_count() {
+    if !available() {
+        for dtype in K_QUANTS {
+            assert!(Tiles::new(&quantized(40, 512, dtype)).unwrap().is_none());
+        }
+        return;
+    }
+    // 40 and 24 rows leave a partial last tile; widths are whole 256-value superblocks.
+    for dtype in K_QUANTS {
+        for (out, inp) in [(40, 512), (24, 256), (16, 1536)] {
+            let qt = quantized(out, inp, dtype);
+            let tiles = Tiles::new(&qt).unwrap().unwrap();
+            assert_eq!(tiles.dims(), (out, inp));
+            for rows in 1..=MAX_ROWS {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+                let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+                let xs = x.to_vec2::<f32>().unwrap();
+                for r in 0..rows {
+                    let want = reference_dequantized(&qt, &xs[r]);
+                    for (a, b) in ours[r].iter().zip(&want) {
+                        // Only the f32 rounding and order of the block sums differ (and
+                        // candle's rounding of each dequantized weight to f32).
+                        let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
+                        assert!((*a as f64 - b).abs() <= tol, "{dtype:?} {a} vs {b}");
+                    }
+                    let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
+                    assert_eq!(alone.to_vec2::<f32>().unwrap()[0], ours[r]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_tiles_are_as_close_to_the_exact_product_as_candles_kernels() {
+    if !available() {
+        return;
+    }
+    // Candle quantizes the activations per 256 values (Q8_K) for k-quant weights, the tiles
+    // per 32 (Q8_0): results differ by that rounding (~0.3 on sums of order 20), so both are
+    // measured against the dequantized weights times the unquantized input.
+    for dtype in K_QUANTS {
+        let w = Tensor::randn(0f32, 1.0, (48, 512), &Device::Cpu).unwrap();
+        let qt = QTensor::quantize(&w, dtype).unwrap();
+        let wd = qt
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let tiles = Tiles::new(&qt).unwrap().unwrap();
+        let qm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (4, 512), &Device::Cpu).unwrap();
+        let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+        let theirs = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let (mut e_ours, mut e_theirs) = (0f64, 0f64);
+        for (r, xr) in x.to_vec2::<f32>().unwrap().iter().enumerate() {
+            for (o, wr) in wd.iter().enumerate() {
+                let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                e_ours += (ours[r][o] as f64 - exact).powi(2);
+                e_theirs += (theirs[r][o] as f64 - exact).powi(2);
+            }
+        }
+        assert!(
+            e_ours <= e_theirs,
+            "{dtype:?}: {e_ours} vs candle {e_theirs}"
+        );
+    }
+}
+
+#[test]
+fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
+    if !available() {
+        return;
+    }
+    for dtype in K_QUANTS {
+        let parts: Vec<Tiles> = [32, 16, 24]
+            .iter()
+            .map(|&o| Tiles::new(&quantized(o, 256, dtype)).unwrap().unwrap())
+            .collect();
+        let stacked = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(stacked.dims(), (72, 256));
+        let x = Tensor::randn(0f32, 1.0, (3, 256), &Device::Cpu).unwrap();
+        let alone: Vec<Tensor> = parts.iter().map(|p| p.matmul(&x).unwrap()).collect();
+        let want = Tensor::cat(&alone, 1).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(stacked.matmul(&x).unwrap().to_vec2::<f32>().unwrap(), want);
+    }
+    // A Q4_K_M file mixes types per tensor: q/k/v or gate/up of different kinds stay apart.
+    let kinds: Vec<Tiles> = [
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_1,
+    ]
+    .iter()
+    .map(|&d| Tiles::new(&quantized(16, 256, d)).unwrap().unwrap())
+    .collect();
+    for (i, a) in kinds.iter().enumerate() {
+        for (j, b) in kinds.iter().enumerate() {
+            assert_eq!(Tiles::stack(&[a, b]).is_some(), i == j, "{a:?} with {b:?}");
+        }
+    }
+}
+
+#[test]
+fn refuses_other_types_and_wrong_inputs() {
+    assert!(
+        Tiles::new(&quantized(16, 64, GgmlDType::Q4_0))
+            .unwrap()
+            .is_none()
+    );
+    if let Some(t) = Tiles::new(&quantized(16, 64, GgmlDType::Q8_0)).unwrap() {
+        let x = Tensor::zeros((MAX_ROWS + 1, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(
+            t.matmul(&x)
+                .unwrap_err()
+                .to_string()
+                .contains("at most 8 rows")
+        );
+        let x = Tensor::zeros((1, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(t.matmul(&x).is_err());
+    }
+}
