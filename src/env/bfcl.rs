@@ -111,18 +111,7 @@ impl BfclEntry {
     pub fn messages(&self) -> Vec<Message> {
         self.question
             .first()
-            .map(|turn| {
-                turn.iter()
-                    .filter_map(|m| {
-                        let content = m["content"].as_str()?;
-                        Some(match m["role"].as_str() {
-                            Some("system") => Message::system(content),
-                            Some("assistant") => Message::assistant(content),
-                            _ => Message::user(content),
-                        })
-                    })
-                    .collect()
-            })
+            .map(|turn| turn_messages(turn))
             .unwrap_or_default()
     }
 
@@ -824,5 +813,20 @@ pub fn responses_by_id(responses: &[BfclResponse]) -> HashMap<String, Vec<ToolCa
     responses
         .iter()
         .map(|r| (r.id.clone(), r.calls.clone()))
+        .collect()
+}
+
+/// One turn of a BFCL `question` as chat messages, roles kept (an unknown role is read as the
+/// user's; an entry without text content is skipped). Single- and multi-turn entries share it.
+pub(crate) fn turn_messages(turn: &[Value]) -> Vec<Message> {
+    turn.iter()
+        .filter_map(|m| {
+            let content = m["content"].as_str()?;
+            Some(match m["role"].as_str() {
+                Some("system") => Message::system(content),
+                Some("assistant") => Message::assistant(content),
+                _ => Message::user(content),
+            })
+        })
         .collect()
 }

@@ -117,18 +117,7 @@ impl MultiEntry {
     pub fn turn_messages(&self, t: usize) -> Vec<Message> {
         self.question
             .get(t)
-            .map(|turn| {
-                turn.iter()
-                    .filter_map(|m| {
-                        let content = m["content"].as_str()?;
-                        Some(match m["role"].as_str() {
-                            Some("system") => Message::system(content),
-                            Some("assistant") => Message::assistant(content),
-                            _ => Message::user(content),
-                        })
-                    })
-                    .collect()
-            })
+            .map(|turn| crate::env::bfcl::turn_messages(turn))
             .unwrap_or_default()
     }
 
