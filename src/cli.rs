@@ -305,6 +305,13 @@ pub enum BenchCommand {
     Generate(BenchGenerateArgs),
     /// Training throughput (forward + backward + AdamW) and peak memory, full or LoRA.
     Train(BenchTrainArgs),
+    /// The competing process of `bench generate --contend`: keeps `--threads` threads busy
+    /// until its standard input closes.
+    #[command(hide = true)]
+    Spin {
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -346,6 +353,10 @@ pub struct BenchGenerateArgs {
     /// `rehearsal_ms`; `none` skips it.
     #[arg(long, default_value = "bank-test-0007")]
     pub rehearsal_task: String,
+    /// Busy threads of a competing process (a child `envace bench spin`) during the
+    /// `decode_tok_s_contended` decode, as when another program shares the cores; 0 skips it.
+    #[arg(long, default_value_t = 1)]
+    pub contend: usize,
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
     #[arg(long)]

@@ -896,3 +896,64 @@ pub fn bench_rehearsal(
         .build()?;
     Ok(rt.block_on(envace::engine::bench::rehearsal_ms(policy, task, 0))?)
 }
+
+/// A competing process for `bench generate --contend`: a child `envace bench spin` that keeps
+/// its threads busy until dropped (its standard input closes with the pipe, so it also ends if
+/// this process dies first).
+pub struct Competitor {
+    child: std::process::Child,
+}
+
+impl Competitor {
+    pub fn spawn(threads: usize) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the envace binary")?;
+        let child = std::process::Command::new(&exe)
+            .args(["bench", "spin", "--threads", &threads.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting the competing process {}", exe.display()))?;
+        // Let its threads get going before anything is timed.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        Ok(Self { child })
+    }
+}
+
+impl Drop for Competitor {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        if let Err(err) = self.child.kill() {
+            tracing::debug!("competing process already gone: {err}");
+        }
+        if let Err(err) = self.child.wait() {
+            tracing::debug!("waiting for the competing process: {err}");
+        }
+    }
+}
+
+/// `envace bench spin`: `threads` busy threads until standard input reaches its end.
+pub fn spin(threads: usize) -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..threads.max(1))
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            })
+        })
+        .collect();
+    std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink())
+        .context("reading standard input")?;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        if w.join().is_err() {
+            bail!("a spinning thread panicked");
+        }
+    }
+    Ok(())
+}

@@ -121,6 +121,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Some(Command::Bench(BenchCommand::Spin { threads })) => commands::spin(threads),
         Some(Command::Bench(BenchCommand::Generate(a))) => {
             let task = commands::bench_rehearsal_task(&a.rehearsal_task)?;
             let model = LocalModel::load(&a.model, a.device)
@@ -132,6 +133,19 @@ fn dispatch(cli: Cli) -> Result<()> {
                 a.runs,
                 &a.depths,
             )?;
+            if a.contend > 0 {
+                let competitor = commands::Competitor::spawn(a.contend)?;
+                let rate = envace::runtime::bench::decode_rate(
+                    &model,
+                    a.prompt_tokens,
+                    a.new_tokens,
+                    a.runs,
+                )?;
+                drop(competitor);
+                r.contend_threads = a.contend;
+                r.decode_tok_s_contended = Some(rate);
+                r.contended_ratio = Some(rate / r.decode_tok_s);
+            }
             if let Some(task) = task {
                 r.rehearsal_ms = commands::bench_rehearsal(model, &a.model, task)?;
             }

@@ -1,6 +1,6 @@
 //! `envace bench generate` at short prompts (it used to index past a prompt shorter than 72
-//! tokens), its decode-at-depth and rehearsal keys, and its batch of prompts of different
-//! lengths.
+//! tokens), its decode-at-depth, rehearsal and contended-decode keys (with the competing
+//! process it starts and stops), and its batch of prompts of different lengths.
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -36,6 +36,8 @@ fn bench_generate_runs_at_short_prompts() {
             "0,7",
             "--rehearsal-task",
             "none",
+            "--contend",
+            "0",
             "--json",
         ]);
         assert!(
@@ -56,6 +58,8 @@ fn bench_generate_runs_at_short_prompts() {
         assert_eq!(at.keys().collect::<Vec<_>>(), ["0", "7"], "{v}");
         assert!(at.values().all(|x| x.as_f64().unwrap() > 0.0), "{v}");
         assert!(v["rehearsal_ms"].is_null(), "skipped: {v}");
+        assert!(v["decode_tok_s_contended"].is_null(), "skipped: {v}");
+        assert_eq!(v["contend_threads"], 0, "{v}");
     }
     // One new token needs no forward pass: nothing to time.
     let o = envace(&[
@@ -125,4 +129,92 @@ fn the_batch_rows_differ_in_length_and_the_longest_is_the_whole_prompt() {
     assert!(lens.windows(2).all(|w| w[0] > w[1]), "{lens:?}");
     assert!(rows.iter().all(|r| prompt.starts_with(r)));
     assert!(batch_prompts(&[7]).iter().all(|r| r == &[7]));
+}
+
+/// Command lines of running `envace bench spin --threads <threads>` processes.
+fn spinners(threads: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmd
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args
+            .windows(3)
+            .any(|w| w[0] == "spin" && w[1] == "--threads" && w[2] == threads)
+        {
+            found.push(args.join(" "));
+        }
+    }
+    found
+}
+
+#[test]
+fn contended_decode_runs_beside_a_competing_process_and_stops_it() {
+    let o = envace(&[
+        "bench",
+        "generate",
+        "--model",
+        "models/envace-tiny",
+        "--prompt-tokens",
+        "16",
+        "--new-tokens",
+        "8",
+        "--runs",
+        "1",
+        "--depths",
+        "0",
+        "--rehearsal-task",
+        "none",
+        "--contend",
+        "3",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["contend_threads"], 3, "{v}");
+    let quiet = v["decode_tok_s"].as_f64().unwrap();
+    let busy = v["decode_tok_s_contended"].as_f64().unwrap();
+    let ratio = v["contended_ratio"].as_f64().unwrap();
+    assert!(busy > 0.0, "{v}");
+    assert!((ratio - busy / quiet).abs() < 1e-9, "{v}");
+    // The competitor is gone with the bench.
+    assert!(
+        spinners("3").is_empty(),
+        "left running: {:?}",
+        spinners("3")
+    );
+}
+
+#[test]
+fn spin_ends_when_its_input_closes() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(["bench", "spin", "--threads", "1"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"anything").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "ended while its input was open"
+    );
+    drop(stdin);
+    let t = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "{status}");
+            break;
+        }
+        assert!(
+            t.elapsed().as_secs() < 10,
+            "still spinning 10 s after its input closed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }

@@ -1,7 +1,7 @@
 //! `envace bench generate`: prefill and decode throughput, decode at fixed context depths,
-//! batched decode, and the cost of K rehearsal branches relative to one (the prompt is
-//! prefilled once and shared). Medians of repeated runs; run on a quiet machine (candle's thread
-//! pool degrades when cores are shared).
+//! batched decode, the cost of K rehearsal branches relative to one (the prompt is prefilled
+//! once and shared), and decode beside a competing process. Medians of repeated runs; run on an
+//! otherwise quiet machine (the contended decode brings its own competitor).
 //!
 //! Counting, so that the numbers compare with llama.cpp's `llama-bench`: a decode rate is
 //! forward passes per second. The first new token is sampled from the prefill's logits (no
@@ -33,7 +33,8 @@ pub struct GenerateBench {
     pub decode_tok_s: f64,
     /// One row at each context depth (`--depths`, default 0, 128 and 512), by depth.
     pub decode_tok_s_at: BTreeMap<String, f64>,
-    /// Eight prompts of different lengths (left-padded), the longest `prompt_tokens`.
+    /// Eight prompts of different lengths (left-padded), the longest `prompt_tokens`: row-forwards
+    /// per second of the decode after the batch's prefill (the prefill is not timed).
     pub decode_tok_s_b8: f64,
     /// Decode time of 8 branches / decode time of 1, each after one shared prefill (prefill
     /// not timed).
@@ -42,7 +43,43 @@ pub struct GenerateBench {
     /// from its start to its rehearsal memory (filled by the caller, which owns the engine;
     /// `None` when not measured or when the episode never reached an irreversible call).
     pub rehearsal_ms: Option<f64>,
+    /// Busy threads of the competing process behind `decode_tok_s_contended` (0: not measured).
+    pub contend_threads: usize,
+    /// `decode_tok_s`, measured the same way while another process keeps `contend_threads`
+    /// threads busy (filled by the caller, which owns the competitor).
+    pub decode_tok_s_contended: Option<f64>,
+    /// `decode_tok_s_contended / decode_tok_s`.
+    pub contended_ratio: Option<f64>,
     pub runs: usize,
+}
+
+/// `decode_tok_s` alone: `runs` times a `prompt_tokens` prefill (not timed), then `new_tokens`
+/// greedy tokens; the median in forwards per second.
+pub fn decode_rate(
+    model: &LocalModel,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    runs: usize,
+) -> Result<f64, RuntimeError> {
+    let cancel = CancelToken::new();
+    let ctx = GenContext {
+        eos: &[],
+        ..model.context()
+    };
+    let prompt = bench_prompt(model, prompt_tokens.max(1))?;
+    let greedy = SamplingParams {
+        max_tokens: new_tokens.max(2),
+        ..Default::default()
+    };
+    let mut rates = Vec::new();
+    for _ in 0..runs.max(1) {
+        let mut prefix = Prefix::new(&model.decoder, &prompt)?;
+        let t = Instant::now();
+        let out = prefix.generate(ctx, 1, &greedy, None, &cancel)?;
+        let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
+        rates.push(forwards_per_s(n, t.elapsed().as_secs_f64()));
+    }
+    Ok(median(rates))
 }
 
 /// Forward passes per second of a decode that produced `tokens` new tokens in `seconds`.
@@ -147,16 +184,23 @@ pub fn run(
         }
 
         // Eight prompts of different lengths (real left padding), the longest at b1's context.
+        // The clock starts at the first streamed token: after the batch's prefill and the
+        // first tokens (sampled from its logits), so 8 × (N − 1) row-forwards are timed.
         let rows = batch_prompts(&prompt);
-        let t = Instant::now();
-        let out = generate_batch(ctx, &rows, &greedy, None, &cancel)?;
-        // The batch's prefill is inside this timing (one left-padded batch), its first tokens
-        // are not: 8 × (N − 1) row-forwards.
+        let mut first: Option<Instant> = None;
+        let mut sink = |_: usize, _: &str| {
+            first.get_or_insert_with(Instant::now);
+        };
+        let out = generate_batch(ctx, &rows, &greedy, Some(&mut sink), &cancel)?;
+        let end = Instant::now();
+        let start = first.ok_or_else(|| {
+            RuntimeError::Generation("bench generate: the batch streamed no text".into())
+        })?;
         let n: usize = out
             .iter()
             .map(|(g, _)| g.response_ids.len().saturating_sub(1))
             .sum();
-        b8.push(n as f64 / t.elapsed().as_secs_f64());
+        b8.push(n as f64 / (end - start).as_secs_f64());
 
         // Branch cost: decode time of 8 branches over 1, after one shared prefill each (the
         // prefill itself is not timed, so that faster decoding does not move the ratio).
@@ -186,6 +230,9 @@ pub fn run(
         decode_tok_s_b8: median(b8),
         branch_ratio_k8: median(ratio),
         rehearsal_ms: None,
+        contend_threads: 0,
+        decode_tok_s_contended: None,
+        contended_ratio: None,
         runs: runs.max(1),
     })
 }

@@ -527,6 +527,20 @@ impl Decoder {
         pass: Pass,
         at: LogitsAt,
     ) -> Result<Tensor> {
+        if pass == Pass::Infer && self.device.is_cpu() {
+            return super::par::on_pool(|| self.forward_here(ids, cache, pass, at));
+        }
+        self.forward_here(ids, cache, pass, at)
+    }
+
+    /// [`Decoder::forward`] on the calling thread.
+    fn forward_here(
+        &self,
+        ids: &Tensor,
+        cache: &mut KvCache,
+        pass: Pass,
+        at: LogitsAt,
+    ) -> Result<Tensor> {
         let h = self.hidden(ids, cache, pass)?;
         let (_, l, _) = h.dims3()?;
         let h = match at {

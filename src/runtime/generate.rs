@@ -201,6 +201,38 @@ pub fn generate_batch(
     decode_loop(ctx, cache, logits, rows, params, stream, cancel)
 }
 
+/// Each unfinished active row's next token and its logprob (`None` for finished rows), the rows
+/// sampled in parallel: a 50k-entry softmax per row is most of a many-branch step's serial time.
+/// Every row draws from its own seeded sampler, so the result does not depend on the threads.
+fn sample_rows(rows: &mut [Row], active: &[usize], logits: &[Vec<f32>]) -> Vec<Option<(u32, f32)>> {
+    use rayon::prelude::*;
+    let mut slots: Vec<Option<&mut Row>> = rows.iter_mut().map(Some).collect();
+    let mut batch: Vec<(usize, &mut Row)> = Vec::with_capacity(active.len());
+    for (j, &r) in active.iter().enumerate() {
+        if let Some(row) = slots.get_mut(r).and_then(Option::take)
+            && row.finish.is_none()
+        {
+            batch.push((j, row));
+        }
+    }
+    let sampled: Vec<(usize, (u32, f32))> = if batch.len() > 1 {
+        batch
+            .into_par_iter()
+            .map(|(j, row)| (j, row.sampler.sample(&logits[j])))
+            .collect()
+    } else {
+        batch
+            .into_iter()
+            .map(|(j, row)| (j, row.sampler.sample(&logits[j])))
+            .collect()
+    };
+    let mut picks = vec![None; active.len()];
+    for (j, pick) in sampled {
+        picks[j] = Some(pick);
+    }
+    picks
+}
+
 /// Decode all rows in lockstep; finished rows leave the batch.
 fn decode_loop(
     ctx: GenContext<'_>,
@@ -223,16 +255,17 @@ fn decode_loop(
             }
         }
         last_tokens.clear();
+        if cancel.is_cancelled() {
+            for &r in &active {
+                rows[r].finish.get_or_insert(FinishReason::Cancelled);
+            }
+        }
+        let picks = sample_rows(&mut rows, &active, &logits);
         for (j, &r) in active.iter().enumerate() {
             let row = &mut rows[r];
-            if row.finish.is_some() {
+            let Some((tok, lp)) = picks[j] else {
                 continue;
-            }
-            if cancel.is_cancelled() {
-                row.finish = Some(FinishReason::Cancelled);
-                continue;
-            }
-            let (tok, lp) = row.sampler.sample(&logits[j]);
+            };
             row.response.push(tok);
             row.logprobs.push(lp);
             last_tokens.push(tok);

@@ -512,12 +512,7 @@ pub(crate) fn attend_one(
             }
         };
         let n_items = nkv * blocks;
-        if b * nh * total * hd < PARALLEL_MIN_WORK {
-            (0..n_items).for_each(item);
-        } else {
-            candle_core::utils::barrier_pool()
-                .execute_chunked(n_items, |range| range.for_each(item));
-        }
+        crate::runtime::par::for_each_index(n_items, b * nh * total * hd < PARALLEL_MIN_WORK, item);
         for (i, res) in results.into_iter().enumerate() {
             let (blk, kh) = (i / nkv, i % nkv);
             let r0 = blk * rpi;
@@ -586,12 +581,7 @@ pub(crate) fn few_rows_matmul(x2: &Tensor, w: &Tensor) -> Result<Tensor> {
             }
         };
         let n_items = outf.div_ceil(BLOCK);
-        if outf * inp * rows < PARALLEL_MIN_WORK {
-            (0..n_items).for_each(item);
-        } else {
-            candle_core::utils::barrier_pool()
-                .execute_chunked(n_items, |range| range.for_each(item));
-        }
+        crate::runtime::par::for_each_index(n_items, outf * inp * rows < PARALLEL_MIN_WORK, item);
     }
     let mut y = vec![0f32; rows * outf];
     for (o, col) in yt.chunks_exact(rows).enumerate() {

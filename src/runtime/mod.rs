@@ -17,6 +17,7 @@ pub mod kv_cache;
 pub mod loader;
 pub mod model;
 pub mod openai;
+pub mod par;
 pub mod quant_tiles;
 pub mod sampler;
 pub mod tokenizer;

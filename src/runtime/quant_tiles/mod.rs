@@ -523,12 +523,7 @@ impl Tiles {
                     }
                 }
             };
-            if tiles * kb < 64 {
-                (0..tiles).for_each(item);
-            } else {
-                candle_core::utils::barrier_pool()
-                    .execute_chunked(tiles, |range| range.for_each(item));
-            }
+            crate::runtime::par::for_each_index(tiles, tiles * kb < 64, item);
         }
         let mut y = vec![0f32; rows * self.out];
         for (t, chunk) in yt.chunks_exact(rows * TILE).enumerate() {

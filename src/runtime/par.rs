@@ -1,0 +1,67 @@
+//! The one parallel-for of the inference kernels (tiled quantized matmuls, dense few-row
+//! matmuls, decode attention). It runs on rayon's work-stealing pool rather than candle's
+//! barrier pool: a barrier makes every call wait until each worker has woken, even one that has
+//! no work left, so when another process holds a core the whole decode waits on the scheduler.
+//! With work stealing the calling side finishes whatever no awake worker has taken.
+
+use rayon::prelude::*;
+
+/// Runs `f(i)` for every `i` in `0..n_items`, on the calling thread when `serial` (too little
+/// work to pay for waking the pool), otherwise split over rayon's pool in runs of a few items.
+pub fn for_each_index<F>(n_items: usize, serial: bool, f: F)
+where
+    F: Fn(usize) + Sync + Send,
+{
+    if serial || n_items <= 1 {
+        (0..n_items).for_each(f);
+        return;
+    }
+    let min_len = n_items.div_ceil(rayon::current_num_threads() * 8).max(1);
+    (0..n_items)
+        .into_par_iter()
+        .with_min_len(min_len)
+        .for_each(f);
+}
+
+/// Runs `f` on a worker of rayon's pool (in place when already on one), so that the calling
+/// side of every [`for_each_index`] inside it takes part in the work instead of waiting for it.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[test]
+    fn every_index_runs_once_serial_or_parallel() {
+        for serial in [true, false] {
+            for n in [0, 1, 2, 7, 100, 1000] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                for_each_index(n, serial, |i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "{n} {serial}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn on_pool_runs_on_a_pool_worker_and_nests_in_place() {
+        let outer = on_pool(|| {
+            let me = rayon::current_thread_index();
+            (me, on_pool(rayon::current_thread_index))
+        });
+        assert!(outer.0.is_some());
+        assert_eq!(outer.0, outer.1);
+    }
+}
