@@ -4,10 +4,14 @@
 //! no work left, so when another process holds a core the whole decode waits on the scheduler.
 //! With work stealing the calling side finishes whatever no awake worker has taken.
 
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Runs `f(i)` for every `i` in `0..n_items`, on the calling thread when `serial` (too little
-/// work to pay for waking the pool), otherwise split over rayon's pool in runs of a few items.
+/// work to pay for waking the pool), otherwise shared over rayon's pool: every participant
+/// claims runs of a few items from one cursor until none are left. The caller claims too, and
+/// a helper job nobody stole is run by the caller once the work is gone (it returns at once),
+/// so the call never waits on a worker that was not scheduled; a worker preempted mid-run holds
+/// up only its one small run.
 pub fn for_each_index<F>(n_items: usize, serial: bool, f: F)
 where
     F: Fn(usize) + Sync + Send,
@@ -16,11 +20,30 @@ where
         (0..n_items).for_each(f);
         return;
     }
-    let min_len = n_items.div_ceil(rayon::current_num_threads() * 8).max(1);
-    (0..n_items)
-        .into_par_iter()
-        .with_min_len(min_len)
-        .for_each(f);
+    let threads = rayon::current_num_threads().max(1);
+    let run = n_items.div_ceil(threads * 8).max(1);
+    let cursor = AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let start = cursor.fetch_add(run, Ordering::Relaxed);
+            if start >= n_items {
+                break;
+            }
+            (start..n_items.min(start + run)).for_each(&f);
+        }
+    };
+    participate(threads.min(n_items), &work);
+}
+
+/// `work` on `k` participants: the caller and `k - 1` jobs offered to the pool's other workers
+/// (`rayon::join`, which runs a job itself when no one has stolen it).
+fn participate(k: usize, work: &(impl Fn() + Sync)) {
+    if k <= 1 {
+        work();
+    } else {
+        let half = k / 2;
+        rayon::join(|| participate(k - half, work), || participate(half, work));
+    }
 }
 
 /// Runs `f` on a worker of rayon's pool (in place when already on one), so that the calling

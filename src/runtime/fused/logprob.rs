@@ -1,0 +1,208 @@
+//! Token log-probabilities (log_softmax + gather) and the entropy, straight from the logits in
+//! one pass: the vocabulary-wide softmax is never materialised as a tensor.
+
+use super::*;
+
+/// Per row of logits (N, V) and a target id: (N, 3) = [log p(target), logsumexp, entropy].
+struct TokenLogprobOp;
+
+impl CustomOp2 for TokenLogprobOp {
+    fn name(&self) -> &'static str {
+        "envace-token-logprob"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let (x, t) = (f32s(s1, l1, name)?, u32s(s2, l2, name)?);
+        let v = last_dim(l1, name)?;
+        let n = x.len() / v;
+        if t.len() != n {
+            bail!("{name}: {} targets for {n} rows", t.len());
+        }
+        if let Some(&bad) = t.iter().find(|&&t| t as usize >= v) {
+            bail!("{name}: target {bad} out of range for vocabulary {v}");
+        }
+        let mut out = vec![0f32; n * 3];
+        let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
+            let m = max_of(x);
+            let (mut s, mut sx) = (0f32, 0f32);
+            for &x in x {
+                let e = (x - m).exp();
+                s += e;
+                sx += e * (x - m);
+            }
+            let lse = m + s.ln();
+            o[0] = x[t as usize] - lse;
+            o[1] = lse;
+            // H = −Σ p (x − lse) = lse − m − Σ e (x − m) / Σ e
+            o[2] = lse - m - sx / s;
+        };
+        if x.len() < PAR_MIN_ELEMS {
+            out.chunks_mut(3)
+                .zip(x.chunks(v).zip(t.iter()))
+                .for_each(row);
+        } else {
+            out.par_chunks_mut(3)
+                .zip(x.par_chunks(v).zip(t.par_iter()))
+                .with_min_len(min_rows(v))
+                .for_each(row);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((n, 3))))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = TokenLogprobBwd {
+            stats: res.flatten_all()?.to_vec1::<f32>()?,
+            grads: g.flatten_all()?.to_vec1::<f32>()?,
+        };
+        Ok((
+            tracked(logits, logits.apply_op2_no_bwd(targets, &op)?),
+            None,
+        ))
+    }
+}
+
+/// One row's inputs in [`TokenLogprobBwd`]: (logits, target), (stats, output grads).
+type LogprobBwdRow<'a> = ((&'a [f32], &'a u32), (&'a [f32], &'a [f32]));
+
+/// d/dx of g_lp · log p(t) + g_H · H: g_lp (δ_jt − p_j) − g_H p_j (log p_j + H).
+struct TokenLogprobBwd {
+    stats: Vec<f32>,
+    grads: Vec<f32>,
+}
+
+impl CustomOp2 for TokenLogprobBwd {
+    fn name(&self) -> &'static str {
+        "envace-token-logprob-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let (x, t) = (f32s(s1, l1, name)?, u32s(s2, l2, name)?);
+        let v = last_dim(l1, name)?;
+        let n = x.len() / v;
+        if t.len() != n || self.stats.len() != n * 3 || self.grads.len() != n * 3 {
+            bail!("{name}: shapes do not line up");
+        }
+        let mut out = vec![0f32; x.len()];
+        let row = |(o, ((x, &t), (st, gr))): (&mut [f32], LogprobBwdRow)| {
+            let (lse, ent) = (st[1], st[2]);
+            let (g_lp, g_ent) = (gr[0], gr[2]);
+            if g_ent == 0.0 {
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o = -g_lp * (x - lse).exp();
+                }
+            } else {
+                for (o, &x) in o.iter_mut().zip(x) {
+                    let lp = x - lse;
+                    let p = lp.exp();
+                    *o = -g_lp * p - g_ent * p * (lp + ent);
+                }
+            }
+            if let Some(o) = o.get_mut(t as usize) {
+                *o += g_lp;
+            }
+        };
+        let (stats, grads) = (&self.stats, &self.grads);
+        if x.len() < PAR_MIN_ELEMS {
+            out.chunks_mut(v)
+                .zip(
+                    x.chunks(v)
+                        .zip(t.iter())
+                        .zip(stats.chunks(3).zip(grads.chunks(3))),
+                )
+                .for_each(row);
+        } else {
+            out.par_chunks_mut(v)
+                .zip(
+                    x.par_chunks(v)
+                        .zip(t.par_iter())
+                        .zip(stats.par_chunks(3).zip(grads.par_chunks(3))),
+                )
+                .with_min_len(min_rows(v))
+                .for_each(row);
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Whether the fused token-logprob op applies (f32 logits, u32 targets, CPU).
+fn fused_logprob_for(logits: &Tensor, targets: &Tensor) -> bool {
+    fused_for(&[logits]) && targets.dtype() == DType::U32 && targets.device().is_cpu()
+}
+
+/// The slow path: `log_softmax` then `gather` (and the entropy from the full log-softmax).
+fn token_logprobs_slow(
+    logits: &Tensor,
+    targets: &Tensor,
+    entropy: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let lsm = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let lp = lsm
+        .gather(&targets.contiguous()?.unsqueeze(D::Minus1)?, D::Minus1)?
+        .squeeze(D::Minus1)?;
+    let ent = if entropy {
+        Some((lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?)
+    } else {
+        None
+    };
+    Ok((lp, ent))
+}
+
+/// `log softmax(logits)[target]` per position: logits (…, V), targets (…) → (…), differentiable
+/// in the logits.
+pub fn token_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(token_logprobs_entropy(logits, targets, false)?.0)
+}
+
+/// [`token_logprobs`] and, when `entropy`, the entropy of each position's distribution, both
+/// from one pass over the logits (and one backward pass).
+pub fn token_logprobs_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    entropy: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if !fused_logprob_for(logits, targets) {
+        return token_logprobs_slow(logits, targets, entropy);
+    }
+    let dims = logits.dims();
+    let v = logits.dim(D::Minus1)?;
+    let lead = dims[..dims.len() - 1].to_vec();
+    let n: usize = lead.iter().product();
+    if targets.dims() != lead.as_slice() {
+        bail!(
+            "token_logprobs: targets {:?} do not match logits {:?}",
+            targets.dims(),
+            dims
+        );
+    }
+    let packed = logits
+        .contiguous()?
+        .reshape((n, v))?
+        .apply_op2(&targets.contiguous()?.reshape(n)?, TokenLogprobOp)?;
+    let lp = packed.narrow(1, 0, 1)?.reshape(lead.as_slice())?;
+    let ent = if entropy {
+        Some(packed.narrow(1, 2, 1)?.reshape(lead.as_slice())?)
+    } else {
+        None
+    };
+    Ok((lp, ent))
+}
