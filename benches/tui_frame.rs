@@ -28,15 +28,18 @@ fn new_app() -> App {
         keymap: Keymap::default(),
     });
     app.update(Msg::Resize(200, 60));
-    app.update(Msg::ModelLoaded(Ok(ModelInfo {
-        path: "models/envace-tiny".into(),
-        hash: String::new(),
-        architecture: "llama".into(),
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        parameters: 0,
-        tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
-    })));
+    app.update(Msg::ModelLoaded {
+        requested: PathBuf::from("models/envace-tiny"),
+        result: Ok(ModelInfo {
+            path: "models/envace-tiny".into(),
+            hash: String::new(),
+            architecture: "llama".into(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            parameters: 0,
+            tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
+        }),
+    });
     app
 }
 

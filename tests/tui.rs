@@ -43,15 +43,18 @@ fn app() -> App {
         keymap: Keymap::default(),
     });
     app.update(Msg::Resize(120, 40));
-    app.update(Msg::ModelLoaded(Ok(ModelInfo {
-        path: "models/envace-tiny".into(),
-        hash: "4bf199d766541e1b".into(),
-        architecture: "llama".into(),
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        parameters: 4_600_000,
-        tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
-    })));
+    app.update(Msg::ModelLoaded {
+        requested: PathBuf::from("models/envace-tiny"),
+        result: Ok(ModelInfo {
+            path: "models/envace-tiny".into(),
+            hash: "4bf199d766541e1b".into(),
+            architecture: "llama".into(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            parameters: 4_600_000,
+            tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
+        }),
+    });
     app
 }
 
@@ -492,15 +495,18 @@ fn command_palette_runs_an_action() {
 #[test]
 fn models_tab_names_the_tool_rendering() {
     let mut app = app();
-    app.update(Msg::ModelLoaded(Ok(ModelInfo {
-        path: ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
-        hash: "b179c9523d0e6a0f".into(),
-        architecture: "llama".into(),
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        parameters: 134_515_008,
-        tool_rendering: envace::runtime::tool_format::ToolRendering::SystemSmolLM2,
-    })));
+    app.update(Msg::ModelLoaded {
+        requested: PathBuf::from(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        result: Ok(ModelInfo {
+            path: ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            hash: "b179c9523d0e6a0f".into(),
+            architecture: "llama".into(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            parameters: 134_515_008,
+            tool_rendering: envace::runtime::tool_format::ToolRendering::SystemSmolLM2,
+        }),
+    });
     keys(&mut app, ":");
     keys(&mut app, "tab_models");
     app.update(Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE)));
@@ -612,4 +618,31 @@ fn mouse_wheel_scrolls_the_pane_under_the_pointer_and_clicks_switch_tabs() {
         modifiers: KeyModifiers::NONE,
     }));
     assert_eq!(app.tab, Tab::Sessions);
+}
+
+/// A remote model's spec as requested (tokenizer and options included) stays the model path
+/// after the load, which is what the Train tab and a reload read; the display path drops them.
+#[test]
+fn a_loaded_remote_model_keeps_its_requested_spec() {
+    let mut app = app();
+    let spec = "openai:http://127.0.0.1:8080/v1#smollm2&tokenizer=models/smollm2-envace";
+    app.update(Msg::ModelLoaded {
+        requested: PathBuf::from(spec),
+        result: Ok(ModelInfo {
+            path: "openai:http://127.0.0.1:8080/v1#smollm2".into(),
+            hash: "remote".into(),
+            architecture: "remote".into(),
+            device: "server".into(),
+            dtype: "-".into(),
+            parameters: 0,
+            tool_rendering: envace::runtime::tool_format::ToolRendering::Template,
+        }),
+    });
+    assert_eq!(app.model_path, PathBuf::from(spec));
+    app.update(Msg::ModelLoaded {
+        requested: PathBuf::from("models/missing"),
+        result: Err("not found".into()),
+    });
+    let out = screen(&app);
+    assert!(out.contains("models/missing: not found"), "{out}");
 }

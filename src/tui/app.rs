@@ -217,7 +217,12 @@ pub enum Msg {
         event: usize,
         tokens: Vec<String>,
     },
-    ModelLoaded(Result<ModelInfo, (PathBuf, String)>),
+    /// A model load finished: `requested` is the path or spec as asked for (a remote spec keeps
+    /// its `&tokenizer=` and options, which the model's display path drops).
+    ModelLoaded {
+        requested: PathBuf,
+        result: Result<ModelInfo, String>,
+    },
     ModelsScanned(Vec<ModelEntry>),
     Memory {
         rss_mb: f64,
@@ -430,16 +435,19 @@ impl App {
                 self.debugger.decoded.insert(event, tokens);
                 Vec::new()
             }
-            Msg::ModelLoaded(r) => {
-                match r {
+            Msg::ModelLoaded { requested, result } => {
+                match result {
                     Ok(info) => {
                         self.notify(Level::Info, format!("model loaded: {}", info.path));
-                        self.model_path = PathBuf::from(&info.path);
+                        self.model_path = requested;
                         self.model = ModelState::Ready(info);
                     }
-                    Err((path, error)) => {
-                        self.notify(Level::Error, format!("{}: {error}", path.display()));
-                        self.model = ModelState::Failed { path, error };
+                    Err(error) => {
+                        self.notify(Level::Error, format!("{}: {error}", requested.display()));
+                        self.model = ModelState::Failed {
+                            path: requested,
+                            error,
+                        };
                     }
                 }
                 Vec::new()

@@ -258,11 +258,23 @@ fn perform(ctx: &mut Ctx, e: Effect) {
                         if let Ok(mut s) = slot.lock() {
                             *s = Some((share_model(m), p));
                         }
-                        send(&tx, Msg::ModelLoaded(Ok(info)));
+                        send(
+                            &tx,
+                            Msg::ModelLoaded {
+                                requested: path,
+                                result: Ok(info),
+                            },
+                        );
                     }
                     Err(e) => {
                         tracing::error!(path = %path.display(), error = %e, "model load failed");
-                        send(&tx, Msg::ModelLoaded(Err((path, e))))
+                        send(
+                            &tx,
+                            Msg::ModelLoaded {
+                                requested: path,
+                                result: Err(e),
+                            },
+                        )
                     }
                 }
                 if let Some(r) = super::models_tab::rss_mb() {
