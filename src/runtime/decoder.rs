@@ -188,7 +188,14 @@ impl Linear {
             y = y.broadcast_add(b)?;
         }
         if let Some(l) = &self.lora {
-            let delta = x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            // Decode steps: the few-row kernel (candle's matmul costs more per call than these
+            // rank-r products do, and a LoRA model makes two per projection per step).
+            let delta = if super::infer::few_rows_applies(x2, &l.a) && l.b.is_contiguous() {
+                let h = super::infer::few_rows_matmul(x2, &l.a)?;
+                super::infer::few_rows_matmul(&h, &l.b)?
+            } else {
+                x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?
+            };
             y = (y + (delta * l.scale)?)?;
         }
         Ok(y)
@@ -665,5 +672,38 @@ impl Decoder {
 
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A LoRA projection's decode step (the few-row kernel) equals the plain matmul formula.
+    #[test]
+    fn lora_decode_step_equals_the_matmul_formula() -> Result<()> {
+        let dev = Device::Cpu;
+        let (inp, out, r) = (96, 40, 8);
+        let w = Tensor::randn(0f32, 1.0, (out, inp), &dev)?;
+        let a = Tensor::randn(0f32, 0.1, (r, inp), &dev)?;
+        let b = Tensor::randn(0f32, 0.1, (out, r), &dev)?;
+        let lin = Linear {
+            weight: Weight::Dense(w.clone()),
+            bias: None,
+            lora: Some(LoraWeights {
+                a: a.clone(),
+                b: b.clone(),
+                scale: 2.0,
+            }),
+        };
+        for rows in [1, 3, 8] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 1, inp), &dev)?;
+            let got = lin.forward(&x)?.reshape((rows, out))?;
+            let x2 = x.reshape((rows, inp))?;
+            let want = (x2.matmul(&w.t()?)? + (x2.matmul(&a.t()?)?.matmul(&b.t()?)? * 2.0)?)?;
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-4, "{rows} rows: {diff}");
+        }
+        Ok(())
     }
 }
