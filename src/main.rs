@@ -66,7 +66,24 @@ fn tune_allocator_for_training() {
     }
 }
 
+/// Headless commands log to stderr, filtered by `ENVACE_LOG` (default `warn`; e.g.
+/// `ENVACE_LOG=envace=debug`); the TUI logs to a file instead (`tui::driver`).
+fn init_stderr_logging() {
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ENVACE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+}
+
 fn dispatch(cli: Cli) -> Result<()> {
+    if !matches!(cli.command, None | Some(Command::Tui(_))) {
+        init_stderr_logging();
+    }
     if matches!(
         cli.command,
         None | Some(Command::Tui(_))
