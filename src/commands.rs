@@ -897,6 +897,23 @@ pub fn bench_rehearsal(
     Ok(rt.block_on(envace::engine::bench::rehearsal_ms(policy, task, 0))?)
 }
 
+/// `bench generate --contend N`: `decode_tok_s` measured again beside a [`Competitor`] of `N`
+/// busy threads, and its ratio to the quiet figure already in `r`.
+pub fn bench_contended(
+    model: &envace::runtime::LocalModel,
+    a: &crate::cli::BenchGenerateArgs,
+    r: &mut envace::runtime::bench::GenerateBench,
+) -> Result<()> {
+    let competitor = Competitor::spawn(a.contend)?;
+    let rate = envace::runtime::bench::decode_rate(model, a.prompt_tokens, a.new_tokens, a.runs);
+    drop(competitor);
+    let rate = rate?;
+    r.contend_threads = a.contend;
+    r.decode_tok_s_contended = Some(rate);
+    r.contended_ratio = Some(rate / r.decode_tok_s);
+    Ok(())
+}
+
 /// A competing process for `bench generate --contend`: a child `envace bench spin` that keeps
 /// its threads busy until dropped (its standard input closes with the pipe, so it also ends if
 /// this process dies first).

@@ -161,17 +161,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 &a.depths,
             )?;
             if a.contend > 0 {
-                let competitor = commands::Competitor::spawn(a.contend)?;
-                let rate = envace::runtime::bench::decode_rate(
-                    &model,
-                    a.prompt_tokens,
-                    a.new_tokens,
-                    a.runs,
-                )?;
-                drop(competitor);
-                r.contend_threads = a.contend;
-                r.decode_tok_s_contended = Some(rate);
-                r.contended_ratio = Some(rate / r.decode_tok_s);
+                commands::bench_contended(&model, &a, &mut r)?;
             }
             if let Some(task) = task {
                 r.rehearsal_ms = commands::bench_rehearsal(model, &a.model, task)?;

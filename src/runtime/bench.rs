@@ -74,12 +74,22 @@ pub fn decode_rate(
     let mut rates = Vec::new();
     for _ in 0..runs.max(1) {
         let mut prefix = Prefix::new(&model.decoder, &prompt)?;
-        let t = Instant::now();
-        let out = prefix.generate(ctx, 1, &greedy, None, &cancel)?;
-        let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
-        rates.push(forwards_per_s(n, t.elapsed().as_secs_f64()));
+        rates.push(decode_one(&mut prefix, ctx, &greedy, &cancel)?);
     }
     Ok(median(rates))
+}
+
+/// One row decoded from `prefix` (already prefilled), in forwards per second.
+fn decode_one(
+    prefix: &mut Prefix,
+    ctx: GenContext<'_>,
+    params: &SamplingParams,
+    cancel: &CancelToken,
+) -> Result<f64, RuntimeError> {
+    let t = Instant::now();
+    let out = prefix.generate(ctx, 1, params, None, cancel)?;
+    let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
+    Ok(forwards_per_s(n, t.elapsed().as_secs_f64()))
 }
 
 /// Forward passes per second of a decode that produced `tokens` new tokens in `seconds`.
@@ -167,20 +177,14 @@ pub fn run(
         let t_prefill = t.elapsed().as_secs_f64();
         prefill.push(prompt.len() as f64 / t_prefill);
 
-        let t = Instant::now();
-        let out = prefix.generate(ctx, 1, &greedy, None, &cancel)?;
-        let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
-        decode.push(forwards_per_s(n, t.elapsed().as_secs_f64()));
+        decode.push(decode_one(&mut prefix, ctx, &greedy, &cancel)?);
 
         // Decode at each depth: a `depth`-token prefill (not timed), then the new tokens.
         for &depth in depths {
             let mut p = Prefix::new(&model.decoder, &deep[..depth.max(1)])?;
-            let t = Instant::now();
-            let out = p.generate(ctx, 1, &greedy, None, &cancel)?;
-            let n: usize = out.iter().map(|(g, _)| g.response_ids.len()).sum();
             at.entry(depth)
                 .or_default()
-                .push(forwards_per_s(n, t.elapsed().as_secs_f64()));
+                .push(decode_one(&mut p, ctx, &greedy, &cancel)?);
         }
 
         // Eight prompts of different lengths (real left padding), the longest at b1's context.
