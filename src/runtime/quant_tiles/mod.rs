@@ -1,5 +1,5 @@
-//! Quantized projections for decode steps (a few rows), from weight tiles with AVX-512BW
-//! kernels: Q4_1 and the k-quants (Q4_K, Q5_K, Q6_K) as they are in the file, and Q8_0.
+//! Quantized projections for decode steps (a few rows), from weight tiles with AVX-512BW or
+//! AVX2 kernels: Q4_1 and the k-quants (Q4_K, Q5_K, Q6_K) as they are in the file, and Q8_0.
 //!
 //! Why it exists: a decode step reads every weight once, so its speed is the bytes it reads
 //! and the instructions per weight. Candle has no SIMD kernel for Q4_1 (scalar fallback, so the
@@ -38,11 +38,17 @@
 //! computed by the same loop whatever the batch, so a batched row equals the same row alone
 //! bit for bit.
 //!
+//! Instruction sets ([`Isa`]): with AVX-512BW a register holds 4 weights of the tile's 16 rows;
+//! with AVX2 + FMA (CPUs without AVX-512: AMD before Zen 4, most Intel client chips) a 256-bit
+//! register holds them for 8 rows, and each tile is computed as two halves of 8 rows from the
+//! same repacked blocks (the sign trick by `sign_epi8` instead of a masked negation; f16 scales
+//! widened in scalar code, which has no `cvtph` wrapper here). Same integer sums, same order.
+//!
 //! The intrinsics come through `pulp`'s safe feature-token wrappers (this crate forbids
 //! `unsafe`); the tokens are checked at run time. The kernels inline into plain code only when
-//! AVX-512BW is enabled at compile time (`.cargo/config.toml` builds for the host CPU), so
-//! without it — at compile time or on the CPU — [`Tiles::new`] returns `None` and candle's
-//! kernels serve.
+//! their features are enabled at compile time (`.cargo/config.toml` builds for the host CPU),
+//! so without them — at compile time or on the CPU — [`Tiles::new`] returns `None` and
+//! candle's kernels serve.
 
 // The kernels index several arrays by the same counters on purpose (register blocks).
 #![allow(clippy::needless_range_loop)]
@@ -205,6 +211,8 @@ impl std::fmt::Debug for Tiles {
 trait DmScales: Copy {
     #[cfg(target_arch = "x86_64")]
     fn load(self, f: pulp::core_arch::x86::Avx512f) -> [std::arch::x86_64::__m512; 2];
+    /// `[d; m]` of rows 8h..8h+8 in f32 (the AVX2 kernels' halves).
+    fn half8(self, h: usize) -> [[f32; 8]; 2];
 }
 
 impl DmScales for [u16; 2 * TILE] {
@@ -217,6 +225,13 @@ impl DmScales for [u16; 2 * TILE] {
             f._mm512_cvtph_ps(bytemuck::cast(m)),
         ]
     }
+    #[inline(always)]
+    fn half8(self, h: usize) -> [[f32; 8]; 2] {
+        [
+            f16x8(&self[8 * h..8 * h + 8]),
+            f16x8(&self[TILE + 8 * h..TILE + 8 * h + 8]),
+        ]
+    }
 }
 
 impl DmScales for Scales32 {
@@ -224,6 +239,11 @@ impl DmScales for Scales32 {
     #[inline(always)]
     fn load(self, _: pulp::core_arch::x86::Avx512f) -> [std::arch::x86_64::__m512; 2] {
         bytemuck::cast(self)
+    }
+    #[inline(always)]
+    fn half8(self, h: usize) -> [[f32; 8]; 2] {
+        let [d, m]: [[[f32; 8]; 2]; 2] = bytemuck::cast(self);
+        [d[h], m[h]]
     }
 }
 
@@ -315,33 +335,89 @@ fn put_q8(blk: &mut Q8Block, r: usize, q: &[u8]) {
     }
 }
 
+/// The instruction sets the kernels come in, best first: AVX-512BW (a 512-bit register holds
+/// 4 weights of a tile's 16 rows) and AVX2 + FMA (a 256-bit register holds 4 weights of 8 rows:
+/// the tile's two halves are computed one after the other from the same repacked blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
+    Avx2,
+}
+
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct Simd {
-    f: pulp::core_arch::x86::Avx512f,
-    bw: pulp::core_arch::x86::Avx512bw,
+enum Simd {
+    Avx512 {
+        f: pulp::core_arch::x86::Avx512f,
+        bw: pulp::core_arch::x86::Avx512bw,
+    },
+    Avx2 {
+        x: pulp::core_arch::x86::Avx,
+        x2: pulp::core_arch::x86::Avx2,
+        fma: pulp::core_arch::x86::Fma,
+    },
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 #[derive(Clone, Copy)]
-struct Simd;
+enum Simd {
+    Avx512,
+    Avx2,
+}
 
-#[cfg(target_arch = "x86_64")]
-fn simd() -> Option<Simd> {
-    // Built without AVX-512BW enabled at compile time (a portable build), the intrinsics would
-    // be function calls each: candle's runtime-dispatched kernels are faster then.
-    if !cfg!(all(target_feature = "avx512f", target_feature = "avx512bw")) {
-        return None;
+impl Simd {
+    fn isa(self) -> Isa {
+        match self {
+            Simd::Avx512 { .. } => Isa::Avx512,
+            Simd::Avx2 { .. } => Isa::Avx2,
+        }
     }
-    Some(Simd {
-        f: pulp::core_arch::x86::Avx512f::try_new()?,
-        bw: pulp::core_arch::x86::Avx512bw::try_new()?,
-    })
+}
+
+/// The kernels of `isa`, when this CPU has it and the build enabled it at compile time:
+/// without that (a portable build) every intrinsic would be a function call, and candle's
+/// runtime-dispatched kernels are faster.
+#[cfg(target_arch = "x86_64")]
+fn simd_for(isa: Isa) -> Option<Simd> {
+    use pulp::core_arch::x86 as x;
+    match isa {
+        Isa::Avx512 => {
+            if !cfg!(all(target_feature = "avx512f", target_feature = "avx512bw")) {
+                return None;
+            }
+            Some(Simd::Avx512 {
+                f: x::Avx512f::try_new()?,
+                bw: x::Avx512bw::try_new()?,
+            })
+        }
+        Isa::Avx2 => {
+            if !cfg!(all(target_feature = "avx2", target_feature = "fma")) {
+                return None;
+            }
+            Some(Simd::Avx2 {
+                x: x::Avx::try_new()?,
+                x2: x::Avx2::try_new()?,
+                fma: x::Fma::try_new()?,
+            })
+        }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn simd() -> Option<Simd> {
+fn simd_for(_: Isa) -> Option<Simd> {
     None
+}
+
+/// The instruction sets this CPU and build run the kernels with, best first.
+pub fn isas() -> Vec<Isa> {
+    [Isa::Avx512, Isa::Avx2]
+        .into_iter()
+        .filter(|&i| simd_for(i).is_some())
+        .collect()
+}
+
+fn simd() -> Option<Simd> {
+    isas().first().copied().and_then(simd_for)
 }
 
 /// Whether this CPU runs the tiled kernels.
@@ -349,12 +425,39 @@ pub fn available() -> bool {
     simd().is_some()
 }
 
+/// Half `h` (rows 8h..8h+8) of a 16-row register's 64 bytes, as an AVX2 register.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn half_reg(bytes: &[u8; 64], h: usize) -> std::arch::x86_64::__m256i {
+    let halves: [std::arch::x86_64::__m256i; 2] = bytemuck::cast(*bytes);
+    halves[h]
+}
+
+/// Eight f16 scales as f32 (rows 8h..8h+8 of a tile).
+#[inline(always)]
+fn f16x8(bits: &[u16]) -> [f32; 8] {
+    let mut o = [0f32; 8];
+    for (o, &b) in o.iter_mut().zip(bits) {
+        *o = f16::from_bits(b).to_f32();
+    }
+    o
+}
+
 impl Tiles {
-    /// Repack a CPU Q8_0, Q4_1, Q4_K, Q5_K or Q6_K tensor (out, in). `None` for other types,
-    /// for an input width that is not a whole number of the type's blocks, or when the CPU lacks
-    /// AVX-512BW. Rows past `out` in the last tile are zero.
+    /// Repack a CPU Q8_0, Q4_1, Q4_K, Q5_K or Q6_K tensor (out, in) for the best instruction
+    /// set here. `None` for other types, for an input width that is not a whole number of the
+    /// type's blocks, or when the CPU has neither AVX-512BW nor AVX2. Rows past `out` in the
+    /// last tile are zero.
     pub fn new(t: &QTensor) -> Result<Option<Self>> {
-        let Some(simd) = simd() else {
+        match isas().first() {
+            Some(&isa) => Self::with_isa(t, isa),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Tiles::new`] for the kernels of `isa` (`None` also when this CPU lacks it).
+    pub fn with_isa(t: &QTensor, isa: Isa) -> Result<Option<Self>> {
+        let Some(simd) = simd_for(isa) else {
             return Ok(None);
         };
         if !matches!(t.device(), Device::Cpu) {
@@ -472,7 +575,8 @@ impl Tiles {
         let mut out = 0;
         let mut kind = first.kind.empty();
         for (i, p) in parts.iter().enumerate() {
-            if p.inp != inp || (i + 1 < parts.len() && p.out % TILE != 0) {
+            if p.inp != inp || p.isa() != first.isa() || (i + 1 < parts.len() && p.out % TILE != 0)
+            {
                 return None;
             }
             if !kind.extend(&p.kind) {
@@ -491,6 +595,11 @@ impl Tiles {
     /// `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         (self.out, self.inp)
+    }
+
+    /// The instruction set these tiles' kernels use.
+    pub fn isa(&self) -> Isa {
+        self.simd.isa()
     }
 
     /// `x · Wᵀ` for `x` (rows ≤ [`MAX_ROWS`], in) f32 on the CPU: (rows, out). Tiles are split
@@ -558,12 +667,17 @@ impl Tiles {
                     }
                 }};
             }
-            match &self.kind {
-                Kind::Q8 { blocks, d } => by_rows!(q8, blocks, d),
-                Kind::Q4 { blocks, dm } => by_rows!(q4, blocks, dm),
-                Kind::Q4K { blocks, dm } => by_rows!(q4, blocks, dm),
-                Kind::Q5K { blocks, dm } => by_rows!(q5k, blocks, dm),
-                Kind::Q6K { blocks, d } => by_rows!(q6k, blocks, d),
+            match (self.simd, &self.kind) {
+                (Simd::Avx512 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8, blocks, d),
+                (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5k, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k, blocks, d),
+                (Simd::Avx2 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8_avx2, blocks, d),
+                (Simd::Avx2 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5k_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k_avx2, blocks, d),
             }
             row0 += n;
         }
@@ -579,7 +693,9 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m256i, __m512, __m512i};
-        let Simd { f, bw } = self.simd;
+        let Simd::Avx512 { f, bw } = self.simd else {
+            return;
+        };
         let ones = f._mm512_set1_epi16(1);
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
@@ -618,7 +734,9 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m512, __m512i};
-        let Simd { f, bw } = self.simd;
+        let Simd::Avx512 { f, bw } = self.simd else {
+            return;
+        };
         let ones = f._mm512_set1_epi16(1);
         let low = f._mm512_set1_epi8(0x0F);
         let zero = f._mm512_setzero_si512();
@@ -661,7 +779,9 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m512, __m512i};
-        let Simd { f, bw } = self.simd;
+        let Simd::Avx512 { f, bw } = self.simd else {
+            return;
+        };
         let ones = f._mm512_set1_epi16(1);
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
@@ -702,7 +822,9 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m512, __m512i};
-        let Simd { f, bw } = self.simd;
+        let Simd::Avx512 { f, bw } = self.simd else {
+            return;
+        };
         let ones = f._mm512_set1_epi16(1);
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
@@ -734,42 +856,228 @@ impl Tiles {
         }
     }
 
+    /// AVX2 Q8_0, by the halves of the tile (see [`Isa`]); the weights' signs go onto the
+    /// activations with `sign` (AVX-512: a masked negation), the rest as [`Self::q8`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q8_avx2<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[[u16; TILE]],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m256, __m256i};
+        let Simd::Avx2 { x, x2, fma } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                let mut acc: [__m256i; R] = [x._mm256_setzero_si256(); R];
+                for g in 0..8 {
+                    let w = half_reg(&blk.qs[g], h);
+                    let mag = x2._mm256_abs_epi8(w);
+                    for r in 0..R {
+                        let a = x2._mm256_sign_epi8(x._mm256_set1_epi32(acts.q(r, b)[g]), w);
+                        let p = x2._mm256_madd_epi16(x2._mm256_maddubs_epi16(mag, a), ones);
+                        acc[r] = x2._mm256_add_epi32(acc[r], p);
+                    }
+                }
+                let wd: __m256 = bytemuck::cast(f16x8(&d[b][8 * h..8 * h + 8]));
+                for r in 0..R {
+                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                    facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(acc[r]), scale, facc[r]);
+                }
+            }
+            for r in 0..R {
+                out[r][8 * h..8 * h + 8]
+                    .copy_from_slice(&bytemuck::cast::<__m256, [f32; 8]>(facc[r]));
+            }
+        }
+    }
+
+    /// AVX2 nibble weights `d · q + m` (Q4_1, Q4_K), by the halves of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q4_avx2<const R: usize>(
+        &self,
+        blocks: &[Q4Block],
+        dm: &[impl DmScales],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m256, __m256i};
+        let Simd::Avx2 { x, x2, fma } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        let low = x._mm256_set1_epi8(0x0F);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                // i16 lanes: at most 16 products of 15 · 127 each, no saturation.
+                let mut acc: [__m256i; R] = [x._mm256_setzero_si256(); R];
+                for n in 0..4 {
+                    let w = half_reg(&blk.qs[n], h);
+                    let lo = x2._mm256_and_si256(w, low);
+                    let hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
+                    for r in 0..R {
+                        let q = acts.q(r, b);
+                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
+                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
+                        acc[r] = x2._mm256_add_epi16(acc[r], x2._mm256_add_epi16(plo, phi));
+                    }
+                }
+                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
+                for r in 0..R {
+                    let sum = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[r], ones));
+                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                    facc[r] = fma._mm256_fmadd_ps(sum, scale, facc[r]);
+                    facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);
+                }
+            }
+            for r in 0..R {
+                out[r][8 * h..8 * h + 8]
+                    .copy_from_slice(&bytemuck::cast::<__m256, [f32; 8]>(facc[r]));
+            }
+        }
+    }
+
+    /// AVX2 Q5_K (unsigned byte weights 0..31, `D · q + M`), by the halves of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q5k_avx2<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        dm: &[Scales32],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m256, __m256i};
+        let Simd::Avx2 { x, x2, fma } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                // i16 lanes per half block: 8 products of at most 31 · 127, no saturation.
+                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
+                for g in 0..8 {
+                    let w = half_reg(&blk.qs[g], h);
+                    for r in 0..R {
+                        let a = x._mm256_set1_epi32(acts.q(r, b)[g]);
+                        let p = x2._mm256_maddubs_epi16(w, a);
+                        acc[g / 4][r] = x2._mm256_add_epi16(acc[g / 4][r], p);
+                    }
+                }
+                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
+                for r in 0..R {
+                    let sum = x2._mm256_add_epi32(
+                        x2._mm256_madd_epi16(acc[0][r], ones),
+                        x2._mm256_madd_epi16(acc[1][r], ones),
+                    );
+                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                    facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[r]);
+                    facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);
+                }
+            }
+            for r in 0..R {
+                out[r][8 * h..8 * h + 8]
+                    .copy_from_slice(&bytemuck::cast::<__m256, [f32; 8]>(facc[r]));
+            }
+        }
+    }
+
+    /// AVX2 Q6_K (signed byte weights -32..31, a scale per 16 values), by the halves of the
+    /// tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q6k_avx2<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[Scales32],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::{__m256, __m256i};
+        let Simd::Avx2 { x, x2, fma } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                // i16 lanes per half block: 8 products of at most 32 · 127, no saturation.
+                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
+                for g in 0..8 {
+                    let w = half_reg(&blk.qs[g], h);
+                    let mag = x2._mm256_abs_epi8(w);
+                    for r in 0..R {
+                        let a = x2._mm256_sign_epi8(x._mm256_set1_epi32(acts.q(r, b)[g]), w);
+                        let p = x2._mm256_maddubs_epi16(mag, a);
+                        acc[g / 4][r] = x2._mm256_add_epi16(acc[g / 4][r], p);
+                    }
+                }
+                let [dlo, dhi]: [__m256; 2] = bytemuck::cast(d[b].half8(h));
+                for r in 0..R {
+                    let da = x._mm256_set1_ps(acts.d(r, b));
+                    let lo = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[0][r], ones));
+                    let hi = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[1][r], ones));
+                    facc[r] = fma._mm256_fmadd_ps(lo, x._mm256_mul_ps(dlo, da), facc[r]);
+                    facc[r] = fma._mm256_fmadd_ps(hi, x._mm256_mul_ps(dhi, da), facc[r]);
+                }
+            }
+            for r in 0..R {
+                out[r][8 * h..8 * h + 8]
+                    .copy_from_slice(&bytemuck::cast::<__m256, [f32; 8]>(facc[r]));
+            }
+        }
+    }
+
     // Off x86_64 `Tiles::new` returns `None`, so these are never called.
     #[cfg(not(target_arch = "x86_64"))]
-    fn q8<const R: usize>(
+    fn q8<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q4<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q5k<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q6k<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
+    #[cfg(not(target_arch = "x86_64"))]
+    fn q8_avx2<const R: usize, W, S>(
         &self,
-        _: &[Q8Block],
-        _: &[[u16; TILE]],
+        _: &[W],
+        _: &[S],
         _: ActRows<'_>,
         _: &mut [[f32; TILE]],
     ) {
     }
-
     #[cfg(not(target_arch = "x86_64"))]
-    fn q4<const R: usize>(
+    fn q4_avx2<const R: usize, W, S>(
         &self,
-        _: &[Q4Block],
-        _: &[impl DmScales],
+        _: &[W],
+        _: &[S],
         _: ActRows<'_>,
         _: &mut [[f32; TILE]],
     ) {
     }
-
     #[cfg(not(target_arch = "x86_64"))]
-    fn q5k<const R: usize>(
+    fn q5k_avx2<const R: usize, W, S>(
         &self,
-        _: &[Q8Block],
-        _: &[Scales32],
+        _: &[W],
+        _: &[S],
         _: ActRows<'_>,
         _: &mut [[f32; TILE]],
     ) {
     }
-
     #[cfg(not(target_arch = "x86_64"))]
-    fn q6k<const R: usize>(
+    fn q6k_avx2<const R: usize, W, S>(
         &self,
-        _: &[Q8Block],
-        _: &[Scales32],
+        _: &[W],
+        _: &[S],
         _: ActRows<'_>,
         _: &mut [[f32; TILE]],
     ) {

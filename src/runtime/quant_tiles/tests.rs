@@ -1,5 +1,6 @@
-//! Exactness tests of the tiled kernels: every kind against the file's dequantized weights
-//! (f64 reference per block) for 1-8 rows and ragged tiles, stacking, and refusals.
+//! Exactness tests of the tiled kernels: every kind, with every instruction set this CPU has,
+//! against the file's dequantized weights (f64 reference per block) for 1-8 rows and ragged
+//! tiles, stacking, and refusals.
 
 use super::*;
 use candle_core::Module;
@@ -47,13 +48,21 @@ fn reference(qt: &QTensor, x: &[f32]) -> Vec<f64> {
         .collect()
 }
 
+/// Every instruction set this CPU runs the kernels with, paired with every type.
+fn each_isa<const N: usize>(dtypes: [GgmlDType; N]) -> Vec<(Isa, GgmlDType)> {
+    isas()
+        .into_iter()
+        .flat_map(|isa| dtypes.map(|d| (isa, d)))
+        .collect()
+}
+
 fn quantized(out: usize, inp: usize, dtype: GgmlDType) -> QTensor {
     let w = Tensor::randn(0f32, 1.0, (out, inp), &Device::Cpu).unwrap();
     QTensor::quantize(&w, dtype).unwrap()
 }
 
-/// Without AVX-512BW the loader keeps candle's quantized matmul (`Tiles::new` gives `None`):
-/// that fallback must compute the same block dot products the tiles would.
+/// Without AVX-512BW or AVX2 the loader keeps candle's quantized matmul (`Tiles::new` gives
+/// `None`): that fallback must compute the same block dot products the tiles would.
 fn check_fallback(dtype: GgmlDType, out: usize, inp: usize) {
     let w = Tensor::randn(0f32, 1.0, (out, inp), &Device::Cpu).unwrap();
     let qt = QTensor::quantize(&w, dtype).unwrap();
@@ -103,10 +112,11 @@ fn tiles_equal_the_blocks_dot_product_for_every_row_count_and_a_ragged_tile() {
         return;
     }
     // 40 rows leave a partial last tile.
-    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+    for (isa, dtype) in each_isa([GgmlDType::Q8_0, GgmlDType::Q4_1]) {
         for (out, inp) in [(40, 576), (64, 1536), (16, 32)] {
             let qt = quantized(out, inp, dtype);
-            let tiles = Tiles::new(&qt).unwrap().unwrap();
+            let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
+            assert_eq!(tiles.isa(), isa);
             for rows in 1..=MAX_ROWS {
                 let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
                 let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
@@ -116,7 +126,7 @@ fn tiles_equal_the_blocks_dot_product_for_every_row_count_and_a_ragged_tile() {
                     for (a, b) in ours[r].iter().zip(&want) {
                         // Only the f32 rounding and order of the block sums differ.
                         let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
-                        assert!((*a as f64 - b).abs() <= tol, "{dtype:?} {a} vs {b}");
+                        assert!((*a as f64 - b).abs() <= tol, "{isa:?} {dtype:?} {a} vs {b}");
                     }
                     // Each row equals the same row alone, bit for bit.
                     let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
@@ -137,16 +147,21 @@ fn q8_tiles_match_candles_q8_kernel() {
     // 576 is not a multiple of 256: candle runs its Q8_0 × Q8_0 vec_dot (its VNNI path for
     // multiples of 256 quantizes activations per 256 values instead).
     let w = Tensor::randn(0f32, 1.0, (48, 576), &Device::Cpu).unwrap();
-    let tiles = Tiles::new(&QTensor::quantize(&w, GgmlDType::Q8_0).unwrap())
-        .unwrap()
-        .unwrap();
     let qm = QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q8_0).unwrap()).unwrap();
-    for rows in [1, 3, 8] {
-        let x = Tensor::randn(0f32, 1.0, (rows, 576), &Device::Cpu).unwrap();
-        let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
-        let theirs = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
-        for (a, b) in ours.iter().flatten().zip(theirs.iter().flatten()) {
-            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs candle {b}");
+    for isa in isas() {
+        let tiles = Tiles::with_isa(&QTensor::quantize(&w, GgmlDType::Q8_0).unwrap(), isa)
+            .unwrap()
+            .unwrap();
+        for rows in [1, 3, 8] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 576), &Device::Cpu).unwrap();
+            let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+            let theirs = qm.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (a, b) in ours.iter().flatten().zip(theirs.iter().flatten()) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "{isa:?}: {a} vs candle {b}"
+                );
+            }
         }
     }
 }
@@ -160,10 +175,14 @@ fn stacked_tiles_equal_the_parts_side_by_side() {
         check_fallback(GgmlDType::Q8_0, 72, 64);
         return;
     }
-    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+    for (isa, dtype) in each_isa([GgmlDType::Q8_0, GgmlDType::Q4_1]) {
         let parts: Vec<Tiles> = [32, 16, 24]
             .iter()
-            .map(|&o| Tiles::new(&quantized(o, 64, dtype)).unwrap().unwrap())
+            .map(|&o| {
+                Tiles::with_isa(&quantized(o, 64, dtype), isa)
+                    .unwrap()
+                    .unwrap()
+            })
             .collect();
         let stacked = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
         assert_eq!(stacked.dims(), (72, 64));
@@ -215,10 +234,10 @@ fn k_quant_tiles_equal_candles_dequantized_weights_for_every_row_count() {
         return;
     }
     // 40 and 24 rows leave a partial last tile; widths are whole 256-value superblocks.
-    for dtype in K_QUANTS {
+    for (isa, dtype) in each_isa(K_QUANTS) {
         for (out, inp) in [(40, 512), (24, 256), (16, 1536)] {
             let qt = quantized(out, inp, dtype);
-            let tiles = Tiles::new(&qt).unwrap().unwrap();
+            let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
             assert_eq!(tiles.dims(), (out, inp));
             for rows in 1..=MAX_ROWS {
                 let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
@@ -230,7 +249,7 @@ fn k_quant_tiles_equal_candles_dequantized_weights_for_every_row_count() {
                         // Only the f32 rounding and order of the block sums differ (and
                         // candle's rounding of each dequantized weight to f32).
                         let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
-                        assert!((*a as f64 - b).abs() <= tol, "{dtype:?} {a} vs {b}");
+                        assert!((*a as f64 - b).abs() <= tol, "{isa:?} {dtype:?} {a} vs {b}");
                     }
                     let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
                     assert_eq!(alone.to_vec2::<f32>().unwrap()[0], ours[r]);
@@ -248,7 +267,7 @@ fn k_quant_tiles_are_as_close_to_the_exact_product_as_candles_kernels() {
     // Candle quantizes the activations per 256 values (Q8_K) for k-quant weights, the tiles
     // per 32 (Q8_0): results differ by that rounding (~0.3 on sums of order 20), so both are
     // measured against the dequantized weights times the unquantized input.
-    for dtype in K_QUANTS {
+    for (isa, dtype) in each_isa(K_QUANTS) {
         let w = Tensor::randn(0f32, 1.0, (48, 512), &Device::Cpu).unwrap();
         let qt = QTensor::quantize(&w, dtype).unwrap();
         let wd = qt
@@ -256,7 +275,7 @@ fn k_quant_tiles_are_as_close_to_the_exact_product_as_candles_kernels() {
             .unwrap()
             .to_vec2::<f32>()
             .unwrap();
-        let tiles = Tiles::new(&qt).unwrap().unwrap();
+        let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
         let qm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
         let x = Tensor::randn(0f32, 1.0, (4, 512), &Device::Cpu).unwrap();
         let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
@@ -271,7 +290,7 @@ fn k_quant_tiles_are_as_close_to_the_exact_product_as_candles_kernels() {
         }
         assert!(
             e_ours <= e_theirs,
-            "{dtype:?}: {e_ours} vs candle {e_theirs}"
+            "{isa:?} {dtype:?}: {e_ours} vs candle {e_theirs}"
         );
     }
 }
@@ -281,10 +300,14 @@ fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
     if !available() {
         return;
     }
-    for dtype in K_QUANTS {
+    for (isa, dtype) in each_isa(K_QUANTS) {
         let parts: Vec<Tiles> = [32, 16, 24]
             .iter()
-            .map(|&o| Tiles::new(&quantized(o, 256, dtype)).unwrap().unwrap())
+            .map(|&o| {
+                Tiles::with_isa(&quantized(o, 256, dtype), isa)
+                    .unwrap()
+                    .unwrap()
+            })
             .collect();
         let stacked = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
         assert_eq!(stacked.dims(), (72, 256));
@@ -309,6 +332,34 @@ fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
             assert_eq!(Tiles::stack(&[a, b]).is_some(), i == j, "{a:?} with {b:?}");
         }
     }
+    // Tiles of one kind for different instruction sets stay apart too.
+    let w = quantized(16, 256, GgmlDType::Q8_0);
+    let by_isa: Vec<Tiles> = isas()
+        .into_iter()
+        .map(|isa| Tiles::with_isa(&w, isa).unwrap().unwrap())
+        .collect();
+    if let [a, b] = &by_isa[..] {
+        assert!(Tiles::stack(&[a, b]).is_none());
+    }
+}
+
+#[test]
+fn this_cpus_best_instruction_set_is_used() {
+    // With AVX2 (any x86-64 of the last decade) the tiles exist: no CPU with it is left on
+    // candle's kernels.
+    let isas = isas();
+    if let Some(&best) = isas.first() {
+        let t = Tiles::new(&quantized(16, 64, GgmlDType::Q8_0))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.isa(), best);
+    }
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    assert!(isas.contains(&Isa::Avx2), "{isas:?}");
 }
 
 #[test]
