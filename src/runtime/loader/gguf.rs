@@ -387,7 +387,7 @@ pub fn load_gguf_with(
         } else {
             None
         };
-        // The tiled decode kernels take Q4_1, Q8_0 and the k-quants Q4_K, Q5_K, Q6_K as they
+        // The tiled decode kernels take Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants as they
         // are in the file (k-quants are never requantized: candle's kernels for them are SIMD).
         let mut tiles = if opts.tiles {
             crate::runtime::quant_tiles::Tiles::new(&t)?

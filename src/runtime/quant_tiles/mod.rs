@@ -1,5 +1,6 @@
 //! Quantized projections for decode steps (a few rows), from weight tiles with AVX-512BW or
-//! AVX2 kernels: Q4_1 and the k-quants (Q4_K, Q5_K, Q6_K) as they are in the file, and Q8_0.
+//! AVX2 kernels: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants (Q4_K, Q5_K, Q6_K), all with
+//! the file's weights exactly (no requantization).
 //!
 //! Why it exists: a decode step reads every weight once, so its speed is the bytes it reads
 //! and the instructions per weight. Candle has no SIMD kernel for Q4_1 (scalar fallback, so the
@@ -29,6 +30,11 @@
 //!   with `D`, `M` as Q4_1's; each half block's 8 products per i16 lane fit (8 · 31 · 127).
 //!   Q6_K has a scale per 16 values and q in −32..31: signed bytes in the Q8_0 layout with
 //!   Q8_0's sign trick, two f32 scales per 32-block and an integer sum per half (8 · 32 · 127).
+//! - The other legacy types go into the kind that holds them exactly: Q4_0 (`d · (q − 8)`) as
+//!   Q4_1 with `m = −8d`; Q5_0 (`d · (q − 16)`) as Q8_0's signed bytes; Q5_1 (`d · q + m`, q in
+//!   0..31) as Q5_K's unsigned bytes with f32 scales. (SmolLM2's hidden size, 576, is not a
+//!   multiple of 256, so `llama-quantize` stores most of a Q4_K_M / Q5_K_M file's projections as
+//!   Q5_0 / Q5_1.)
 //!
 //! Numerics: activations are quantized per 32 values to i8 with an f16 scale, exactly as
 //! candle's `BlockQ8_0::from_float` does; integer sums per block, scaled in f32. For Q8_0 the
@@ -187,7 +193,8 @@ impl Kind {
     }
 }
 
-/// A Q8_0, Q4_1, Q4_K, Q5_K or Q6_K weight (out, in) repacked for the tiled kernels.
+/// A Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or k-quant weight (out, in) repacked for the tiled kernels
+/// (the legacy types into the layout of the kind that holds them exactly; see [`Tiles::new`]).
 pub struct Tiles {
     out: usize,
     inp: usize,
@@ -444,8 +451,8 @@ fn f16x8(bits: &[u16]) -> [f32; 8] {
 }
 
 impl Tiles {
-    /// Repack a CPU Q8_0, Q4_1, Q4_K, Q5_K or Q6_K tensor (out, in) for the best instruction
-    /// set here. `None` for other types, for an input width that is not a whole number of the
+    /// Repack a CPU Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K tensor (out, in) for the
+    /// best instruction set here. `None` for other types, for an input width that is not a whole number of the
     /// type's blocks, or when the CPU has neither AVX-512BW nor AVX2. Rows past `out` in the
     /// last tile are zero.
     pub fn new(t: &QTensor) -> Result<Option<Self>> {
@@ -467,7 +474,14 @@ impl Tiles {
         let dtype = t.dtype();
         if !matches!(
             dtype,
-            GgmlDType::Q8_0 | GgmlDType::Q4_1 | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K
+            GgmlDType::Q8_0
+                | GgmlDType::Q4_0
+                | GgmlDType::Q4_1
+                | GgmlDType::Q5_0
+                | GgmlDType::Q5_1
+                | GgmlDType::Q4K
+                | GgmlDType::Q5K
+                | GgmlDType::Q6K
         ) {
             return Ok(None);
         }
@@ -503,6 +517,73 @@ impl Tiles {
                     }
                 }
                 Kind::Q8 { blocks, d }
+            }
+            GgmlDType::Q4_0 => {
+                // `d · (q − 8)`: the nibble layout with `m = −8d` (exact in f16 unless it
+                // overflows, which only a corrupt file's scale can).
+                let mut blocks = vec![Q4Block { qs: [[0; 64]; 4] }; tiles * kb];
+                let mut dm = vec![[0u16; 2 * TILE]; tiles * kb];
+                for row in 0..out {
+                    let (ti, r) = (row / TILE, row % TILE);
+                    for b in 0..kb {
+                        let s = src(row, b);
+                        let d = f16::from_le_bytes([s[0], s[1]]);
+                        let m = f16::from_f32(-8.0 * d.to_f32());
+                        if !m.is_finite() {
+                            return Ok(None);
+                        }
+                        dm[ti * kb + b][r] = d.to_bits();
+                        dm[ti * kb + b][TILE + r] = m.to_bits();
+                        put_q4(&mut blocks[ti * kb + b], r, |i| {
+                            let byte = s[2 + i % 16];
+                            if i < 16 { byte & 0x0F } else { byte >> 4 }
+                        });
+                    }
+                }
+                Kind::Q4 { blocks, dm }
+            }
+            GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
+                // GGUF Q5_0: d, qh (u32), qs[16]; Q5_1: d, m, qh, qs. Value j's low 4 bits are
+                // a nibble of qs[j % 16] (low for j < 16), its 5th bit is bit j of qh. Q5_0 is
+                // `d · (q − 16)`: signed bytes in the Q8_0 layout with `d`, exactly; Q5_1 is
+                // `d · q + m`: unsigned bytes in the Q5_K layout with f32 `d`, `m`.
+                let signed = dtype == GgmlDType::Q5_0;
+                let mut blocks = vec![Q8Block { qs: [[0; 64]; 8] }; tiles * kb];
+                let mut d16 = vec![[0u16; TILE]; if signed { tiles * kb } else { 0 }];
+                let mut dm = vec![[0f32; 2 * TILE]; if signed { 0 } else { tiles * kb }];
+                let h = |s: &[u8], i: usize| f16::from_le_bytes([s[i], s[i + 1]]);
+                for row in 0..out {
+                    let (ti, r) = (row / TILE, row % TILE);
+                    for b in 0..kb {
+                        let s = src(row, b);
+                        let i = ti * kb + b;
+                        let at = if signed { 2 } else { 4 };
+                        let qh = u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
+                        let qs = &s[at + 4..at + 20];
+                        let mut q = [0u8; BLOCK];
+                        for (j, v) in q.iter_mut().enumerate() {
+                            let nib = if j < 16 {
+                                qs[j] & 0x0F
+                            } else {
+                                qs[j - 16] >> 4
+                            };
+                            let v5 = nib | ((((qh >> j) & 1) as u8) << 4);
+                            *v = if signed { (v5 as i8 - 16) as u8 } else { v5 };
+                        }
+                        put_q8(&mut blocks[i], r, &q);
+                        if signed {
+                            d16[i][r] = h(s, 0).to_bits();
+                        } else {
+                            dm[i][r] = h(s, 0).to_f32();
+                            dm[i][TILE + r] = h(s, 2).to_f32();
+                        }
+                    }
+                }
+                if signed {
+                    Kind::Q8 { blocks, d: d16 }
+                } else {
+                    Kind::Q5K { blocks, dm }
+                }
             }
             GgmlDType::Q4_1 => {
                 let mut blocks = vec![Q4Block { qs: [[0; 64]; 4] }; tiles * kb];

@@ -198,7 +198,7 @@ fn stacked_tiles_equal_the_parts_side_by_side() {
 
 const K_QUANTS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
 
-/// The k-quant weight as candle dequantizes it (f32) against the activations quantized as
+/// The weight as candle dequantizes it (f32) against the activations quantized as
 /// the kernels do, per 32-block `d_a · Σ w · q_a`, in f64.
 fn reference_dequantized(qt: &QTensor, x: &[f32]) -> Vec<f64> {
     let w = qt
@@ -363,9 +363,32 @@ fn this_cpus_best_instruction_set_is_used() {
 }
 
 #[test]
+fn legacy_types_tile_exactly_as_candle_dequantizes_them() {
+    // Q4_0, Q5_0 and Q5_1 go into the Q4_1, Q8_0 and Q5_K layouts: the file's weights exactly,
+    // where the loader's requantization to Q8_0 rounded them again.
+    for (isa, dtype) in each_isa([GgmlDType::Q4_0, GgmlDType::Q5_0, GgmlDType::Q5_1]) {
+        for (out, inp) in [(40, 576), (16, 32)] {
+            let qt = quantized(out, inp, dtype);
+            let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
+            for rows in [1, 3, MAX_ROWS] {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
+                let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+                for (r, xr) in x.to_vec2::<f32>().unwrap().iter().enumerate() {
+                    let want = reference_dequantized(&qt, xr);
+                    for (a, b) in ours[r].iter().zip(&want) {
+                        let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
+                        assert!((*a as f64 - b).abs() <= tol, "{isa:?} {dtype:?} {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn refuses_other_types_and_wrong_inputs() {
     assert!(
-        Tiles::new(&quantized(16, 64, GgmlDType::Q4_0))
+        Tiles::new(&quantized(16, 256, GgmlDType::Q2K))
             .unwrap()
             .is_none()
     );
