@@ -68,9 +68,9 @@ pub enum Weight {
         /// one input quantization and one kernel call per step instead of two or three) and
         /// this one is output features `start..start + len` of it.
         part: Option<(usize, usize)>,
-        /// The same weight (all parts, when stacked) repacked for the tiled AVX-512 decode
-        /// kernels ([`super::quant_tiles`]: Q8_0, Q4_1, Q4_K, Q5_K, Q6_K); absent on other CPUs
-        /// and types.
+        /// The same weight (all parts, when stacked) repacked for the tiled AVX-512 / AVX2
+        /// decode kernels ([`super::quant_tiles`]: the legacy types and the k-quants); absent on
+        /// other CPUs and types.
         tiles: Option<Arc<super::quant_tiles::Tiles>>,
     },
 }
