@@ -1,0 +1,221 @@
+//! The AVX2 + FMA kernels, for CPUs without AVX-512: a 256-bit register holds 4 weights of 8
+//! rows, so each tile is computed as two halves of 8 rows from the same repacked blocks.
+
+use std::arch::x86_64::__m256;
+
+use super::{ActRows, DmScales, Q4Block, Q8Block, Scales32, Simd, TILE, Tiles, f16x8};
+
+/// Half `h` (rows 8h..8h+8) of a 16-row register's 64 bytes, as an AVX2 register.
+#[inline(always)]
+fn half_reg(bytes: &[u8; 64], h: usize) -> std::arch::x86_64::__m256i {
+    // By reference: a by-value cast of all 64 bytes went through a stack copy (measured: the
+    // reload waited on the store in the profile).
+    let halves: &[[u8; 32]; 2] = bytemuck::cast_ref(bytes);
+    bytemuck::cast(halves[h])
+}
+
+/// Blocks ahead of the one being computed whose cache lines the AVX2 kernels request.
+const PREFETCH_BLOCKS: usize = 4;
+
+/// Ask for the cache lines of `blocks[i]` (past the end: of whatever follows, which is
+/// harmless: a prefetch never faults and reads nothing).
+#[inline(always)]
+fn prefetch<T>(sse: pulp::core_arch::x86::Sse, blocks: &[T], i: usize) {
+    let p = blocks.as_ptr().wrapping_add(i) as *const i8;
+    for line in 0..std::mem::size_of::<T>() / 64 {
+        sse._mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(64 * line));
+    }
+}
+
+/// Rows 8h..8h+8 of each of `R` output rows.
+#[inline(always)]
+fn store_half<const R: usize>(out: &mut [[f32; TILE]], h: usize, facc: &[__m256; R]) {
+    for (o, f) in out.iter_mut().zip(facc) {
+        o[8 * h..8 * h + 8].copy_from_slice(&bytemuck::cast::<__m256, [f32; 8]>(*f));
+    }
+}
+
+impl Tiles {
+    /// AVX2 Q8_0, by the halves of the tile (see [`super::Isa`]); the weights' signs go onto the
+    /// activations with `sign` (AVX-512: a masked negation), the rest as [`Self::q8`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn q8_avx2<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[[u16; TILE]],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::__m256i;
+        let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                if h == 0 {
+                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+                }
+                let mut acc: [__m256i; R] = [x._mm256_setzero_si256(); R];
+                for g in 0..8 {
+                    let w = half_reg(&blk.qs[g], h);
+                    let mag = x2._mm256_abs_epi8(w);
+                    for r in 0..R {
+                        let a = x2._mm256_sign_epi8(x._mm256_set1_epi32(acts.q(r, b)[g]), w);
+                        let p = x2._mm256_madd_epi16(x2._mm256_maddubs_epi16(mag, a), ones);
+                        acc[r] = x2._mm256_add_epi32(acc[r], p);
+                    }
+                }
+                let wd: __m256 = bytemuck::cast(f16x8(&d[b][8 * h..8 * h + 8]));
+                for r in 0..R {
+                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                    facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(acc[r]), scale, facc[r]);
+                }
+            }
+            store_half(out, h, &facc);
+        }
+    }
+
+    /// AVX2 nibble weights `d · q + m` (Q4_1, Q4_K), by the halves of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn q4_avx2<const R: usize>(
+        &self,
+        blocks: &[Q4Block],
+        dm: &[impl DmScales],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::__m256i;
+        let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        let low = x._mm256_set1_epi8(0x0F);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                if h == 0 {
+                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+                }
+                // i16 lanes: at most 16 products of 15 · 127 each, no saturation.
+                let mut acc: [__m256i; R] = [x._mm256_setzero_si256(); R];
+                for n in 0..4 {
+                    let w = half_reg(&blk.qs[n], h);
+                    let lo = x2._mm256_and_si256(w, low);
+                    let hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
+                    for r in 0..R {
+                        let q = acts.q(r, b);
+                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
+                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
+                        acc[r] = x2._mm256_add_epi16(acc[r], x2._mm256_add_epi16(plo, phi));
+                    }
+                }
+                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
+                for r in 0..R {
+                    let sum = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[r], ones));
+                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                    facc[r] = fma._mm256_fmadd_ps(sum, scale, facc[r]);
+                    facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);
+                }
+            }
+            store_half(out, h, &facc);
+        }
+    }
+
+    /// AVX2 Q5_K (unsigned byte weights 0..31, `D · q + M`), by the halves of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn q5k_avx2<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        dm: &[Scales32],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::__m256i;
+        let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                if h == 0 {
+                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+                }
+                // i16 lanes per half block: 8 products of at most 31 · 127, no saturation.
+                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
+                for g in 0..8 {
+                    let w = half_reg(&blk.qs[g], h);
+                    for r in 0..R {
+                        let a = x._mm256_set1_epi32(acts.q(r, b)[g]);
+                        let p = x2._mm256_maddubs_epi16(w, a);
+                        acc[g / 4][r] = x2._mm256_add_epi16(acc[g / 4][r], p);
+                    }
+                }
+                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
+                for r in 0..R {
+                    let sum = x2._mm256_add_epi32(
+                        x2._mm256_madd_epi16(acc[0][r], ones),
+                        x2._mm256_madd_epi16(acc[1][r], ones),
+                    );
+                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                    facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[r]);
+                    facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);
+                }
+            }
+            store_half(out, h, &facc);
+        }
+    }
+
+    /// AVX2 Q6_K (signed byte weights -32..31, a scale per 16 values), by the halves of the
+    /// tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn q6k_avx2<const R: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[Scales32],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+    ) {
+        use std::arch::x86_64::__m256i;
+        let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
+            return;
+        };
+        let ones = x._mm256_set1_epi16(1);
+        for h in 0..2 {
+            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
+            for (b, blk) in blocks.iter().enumerate() {
+                if h == 0 {
+                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+                }
+                // i16 lanes per half block: 8 products of at most 32 · 127, no saturation.
+                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
+                for g in 0..8 {
+                    let w = half_reg(&blk.qs[g], h);
+                    let mag = x2._mm256_abs_epi8(w);
+                    for r in 0..R {
+                        let a = x2._mm256_sign_epi8(x._mm256_set1_epi32(acts.q(r, b)[g]), w);
+                        let p = x2._mm256_maddubs_epi16(mag, a);
+                        acc[g / 4][r] = x2._mm256_add_epi16(acc[g / 4][r], p);
+                    }
+                }
+                let [dlo, dhi]: [__m256; 2] = bytemuck::cast(d[b].half8(h));
+                for r in 0..R {
+                    let da = x._mm256_set1_ps(acts.d(r, b));
+                    let lo = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[0][r], ones));
+                    let hi = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[1][r], ones));
+                    facc[r] = fma._mm256_fmadd_ps(lo, x._mm256_mul_ps(dlo, da), facc[r]);
+                    facc[r] = fma._mm256_fmadd_ps(hi, x._mm256_mul_ps(dhi, da), facc[r]);
+                }
+            }
+            store_half(out, h, &facc);
+        }
+    }
+
+    // Off x86_64 `Tiles::new` returns `None`, so these are never called.
+}
