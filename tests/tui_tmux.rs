@@ -38,14 +38,20 @@ impl Tmux {
     }
     /// Wait until the screen contains `text`; panics with the screen after `secs`.
     fn wait_for(&self, text: &str, secs: u64) -> String {
+        self.wait_for_all(&[text], secs)
+    }
+    /// Wait until one capture contains every one of `texts`. A capture can land while the
+    /// terminal is halfway through drawing a frame (the header of the new screen over the body
+    /// of the old one), so what a step asserts together is waited for together.
+    fn wait_for_all(&self, texts: &[&str], secs: u64) -> String {
         let t0 = Instant::now();
         loop {
             let s = self.capture();
-            if s.contains(text) {
+            if texts.iter().all(|t| s.contains(t)) {
                 return s;
             }
             if t0.elapsed() > Duration::from_secs(secs) {
-                panic!("waited {secs}s for {text:?}; screen:\n{s}");
+                panic!("waited {secs}s for all of {texts:?}; screen:\n{s}");
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -126,27 +132,30 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     assert!(st.success());
 
     // Launch on the bundled model.
-    let s = t.wait_for("model loaded", 60);
-    assert!(
-        s.contains("1 Run") && s.contains("task: bank-test-0007"),
-        "{s}"
-    );
-    assert!(
-        s.contains("mode: shadow") && s.contains("rehearsals N: 2"),
-        "{s}"
+    t.wait_for_all(
+        &[
+            "model loaded",
+            "1 Run",
+            "task: bank-test-0007",
+            "mode: shadow",
+            "rehearsals N: 2",
+        ],
+        60,
     );
 
     // Run: Private Rehearsal, then the irreversible card payment asks for approval.
     t.send(&["r"]);
-    let s = t.wait_for("Approval needed", 120);
-    assert!(s.contains("irreversible"), "{s}");
-    assert!(s.contains("Private Rehearsal:"), "{s}");
-    assert!(s.contains("card_pay"), "{s}");
-    // The branch pane keeps the latest rehearsal's header (its verdict) in view, however long
-    // the rehearsal: the dialog asks about it.
-    assert!(
-        s.contains("· parallel · n=2"),
-        "the branch pane shows the rehearsal's header:\n{s}"
+    // The branch pane keeps the latest rehearsal's header (its verdict, "· parallel · n=2") in
+    // view, however long the rehearsal: the dialog asks about it.
+    t.wait_for_all(
+        &[
+            "Approval needed",
+            "irreversible",
+            "Private Rehearsal:",
+            "card_pay",
+            "· parallel · n=2",
+        ],
+        120,
     );
     t.send(&["a"]);
     std::thread::sleep(Duration::from_millis(800));
@@ -165,23 +174,17 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
     // Open it in the debugger and step.
     // Wait for the tab itself: the Run tab also shows the task id and the session path.
     t.send(&["2"]);
-    t.wait_for("Sessions in", 30);
-    let s = t.wait_for("bank-test-0007", 30);
-    assert!(s.contains("Sessions in"), "{s}");
+    t.wait_for_all(&["Sessions in", "bank-test-0007"], 30);
     t.send(&["Enter"]);
-    let s = t.wait_for("Steps (main line)", 30);
-    assert!(s.contains("step 1/"), "{s}");
+    t.wait_for_all(&["Steps (main line)", "step 1/"], 30);
     t.send(&["n", "n"]);
-    let s = t.wait_for("step 3/", 10);
-    assert!(s.contains("user: Pay 147"), "{s}");
+    t.wait_for_all(&["step 3/", "user: Pay 147"], 10);
     t.send(&["x"]);
-    let s = t.wait_for("approval_requested", 10);
-    assert!(s.contains("\"irreversible\": true"), "{s}");
+    t.wait_for_all(&["approval_requested", "\"irreversible\": true"], 10);
 
     // Fork at the approval request and re-run with the current model: the call is asked again.
     t.send(&["f"]);
-    let s = t.wait_for("Approval needed", 120);
-    assert!(s.contains("fork of"), "{s}");
+    t.wait_for_all(&["Approval needed", "fork of"], 120);
     t.send(&["a"]);
     std::thread::sleep(Duration::from_millis(800));
     // The Run tab's state line reads "done, reward …" only once the fork has finished.
@@ -200,17 +203,13 @@ fn shadow_run_with_rehearsal_approval_and_debugger_in_the_real_binary() {
 
     // Open the fork (newest first) and diff it against its original.
     t.send(&["2"]);
-    t.wait_for("Sessions in", 30);
-    let s = t.wait_for(".fork-1.jsonl", 30);
-    assert!(s.contains("Sessions in"), "{s}");
+    t.wait_for_all(&["Sessions in", ".fork-1.jsonl"], 30);
     t.send(&["g", "Enter"]);
-    let s = t.wait_for("forked from", 30);
-    assert!(s.contains("Steps (main line)"), "{s}");
+    t.wait_for_all(&["forked from", "Steps (main line)"], 30);
     t.send(&["D"]);
-    let s = t.wait_for("Step-aligned diff", 30);
-    assert!(
-        s.contains(".fork-1.jsonl ↔ ") && s.contains("episode start"),
-        "{s}"
+    t.wait_for_all(
+        &["Step-aligned diff", ".fork-1.jsonl ↔ ", "episode start"],
+        30,
     );
 
     // Quit restores the terminal and exits 0.
