@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::__m256;
 
-use super::{ActRows, DmScales, Q4Block, Q8Block, Scales32, Simd, TILE, Tiles, f16x8};
+use super::{ActRows, DmScales, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles, f16x8};
 
 /// Half `h` (rows 8h..8h+8) of a 16-row register's 64 bytes, as an AVX2 register.
 #[inline(always)]
@@ -125,13 +125,14 @@ impl Tiles {
         }
     }
 
-    /// AVX2 Q5_K (unsigned byte weights 0..31, `D · q + M`), by the halves of the tile.
+    /// AVX2 5-bit weights `d · q + m` (Q5_0, Q5_1, Q5_K), by the halves of the tile; the
+    /// 5th bits merged as in [`Self::q5`] with and/or.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub(super) fn q5k_avx2<const R: usize>(
+    pub(super) fn q5_avx2<const R: usize>(
         &self,
-        blocks: &[Q8Block],
-        dm: &[Scales32],
+        blocks: &[Q5Block],
+        dm: &[impl DmScales],
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
@@ -140,20 +141,39 @@ impl Tiles {
             return;
         };
         let ones = x._mm256_set1_epi16(1);
+        let low = x._mm256_set1_epi8(0x0F);
+        let bit4 = x._mm256_set1_epi8(0x10);
         for h in 0..2 {
             let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
             for (b, blk) in blocks.iter().enumerate() {
                 if h == 0 {
                     prefetch(sse, blocks, b + PREFETCH_BLOCKS);
                 }
-                // i16 lanes per half block: 8 products of at most 31 · 127, no saturation.
+                let qh = half_reg(&blk.qh, h);
+                // i16 lanes per pair of nibble registers: 8 products of at most 31 · 127.
                 let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
-                for g in 0..8 {
-                    let w = half_reg(&blk.qs[g], h);
+                for n in 0..4 {
+                    let w = half_reg(&blk.qs[n], h);
+                    let (hlo, hhi) = match n {
+                        0 => (x2._mm256_slli_epi16::<4>(qh), x2._mm256_slli_epi16::<3>(qh)),
+                        1 => (x2._mm256_slli_epi16::<2>(qh), x2._mm256_slli_epi16::<1>(qh)),
+                        2 => (qh, x2._mm256_srli_epi16::<1>(qh)),
+                        _ => (x2._mm256_srli_epi16::<2>(qh), x2._mm256_srli_epi16::<3>(qh)),
+                    };
+                    let lo = x2._mm256_or_si256(
+                        x2._mm256_and_si256(w, low),
+                        x2._mm256_and_si256(hlo, bit4),
+                    );
+                    let hi = x2._mm256_or_si256(
+                        x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low),
+                        x2._mm256_and_si256(hhi, bit4),
+                    );
                     for r in 0..R {
-                        let a = x._mm256_set1_epi32(acts.q(r, b)[g]);
-                        let p = x2._mm256_maddubs_epi16(w, a);
-                        acc[g / 4][r] = x2._mm256_add_epi16(acc[g / 4][r], p);
+                        let q = acts.q(r, b);
+                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
+                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
+                        acc[n / 2][r] =
+                            x2._mm256_add_epi16(acc[n / 2][r], x2._mm256_add_epi16(plo, phi));
                     }
                 }
                 let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));

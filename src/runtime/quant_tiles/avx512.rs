@@ -1,6 +1,6 @@
 //! The AVX-512BW kernels: a 512-bit register holds 4 weights of each of a tile's 16 rows.
 
-use super::{ActRows, DmScales, Q4Block, Q8Block, Scales32, Simd, TILE, Tiles};
+use super::{ActRows, DmScales, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles};
 
 impl Tiles {
     #[inline(always)]
@@ -86,12 +86,12 @@ impl Tiles {
         }
     }
 
-    /// Q5_K: unsigned byte weights (0..31) `D · q + M`.
+    /// 5-bit weights `d · q + m` (Q5_0, Q5_1 with f16 scales; Q5_K with f32).
     #[inline(always)]
-    pub(super) fn q5k<const R: usize>(
+    pub(super) fn q5<const R: usize>(
         &self,
-        blocks: &[Q8Block],
-        dm: &[Scales32],
+        blocks: &[Q5Block],
+        dm: &[impl DmScales],
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
@@ -100,19 +100,37 @@ impl Tiles {
             return;
         };
         let ones = f._mm512_set1_epi16(1);
+        let low = f._mm512_set1_epi8(0x0F);
+        let bit4 = f._mm512_set1_epi8(0x10);
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
         for (b, blk) in blocks.iter().enumerate() {
-            // i16 lanes per half block: 8 products of at most 31 · 127, no saturation.
+            let qh: __m512i = bytemuck::cast(blk.qh);
+            // i16 lanes per pair of nibble registers: 8 products of at most 31 · 127.
             let mut acc: [[__m512i; R]; 2] = [[zero; R]; 2];
-            for g in 0..8 {
-                let w: __m512i = bytemuck::cast(blk.qs[g]);
+            for n in 0..4 {
+                let w: __m512i = bytemuck::cast(blk.qs[n]);
+                // Bits 2n and 2n + 1 of each `qh` byte to bit 4 (a 16-bit shift of at most 4
+                // keeps bit 4 of each byte within the byte).
+                let (hlo, hhi) = match n {
+                    0 => (bw._mm512_slli_epi16::<4>(qh), bw._mm512_slli_epi16::<3>(qh)),
+                    1 => (bw._mm512_slli_epi16::<2>(qh), bw._mm512_slli_epi16::<1>(qh)),
+                    2 => (qh, bw._mm512_srli_epi16::<1>(qh)),
+                    _ => (bw._mm512_srli_epi16::<2>(qh), bw._mm512_srli_epi16::<3>(qh)),
+                };
+                // a | (b & c): truth table 0xF8.
+                let lo = f._mm512_and_si512(w, low);
+                let lo = f._mm512_ternarylogic_epi32::<0xF8>(lo, hlo, bit4);
+                let hi = f._mm512_and_si512(bw._mm512_srli_epi16::<4>(w), low);
+                let hi = f._mm512_ternarylogic_epi32::<0xF8>(hi, hhi, bit4);
                 for r in 0..R {
-                    let p = bw._mm512_maddubs_epi16(w, f._mm512_set1_epi32(acts.q(r, b)[g]));
-                    acc[g / 4][r] = bw._mm512_add_epi16(acc[g / 4][r], p);
+                    let q = acts.q(r, b);
+                    let plo = bw._mm512_maddubs_epi16(lo, f._mm512_set1_epi32(q[n]));
+                    let phi = bw._mm512_maddubs_epi16(hi, f._mm512_set1_epi32(q[n + 4]));
+                    acc[n / 2][r] = bw._mm512_add_epi16(acc[n / 2][r], bw._mm512_add_epi16(plo, phi));
                 }
             }
-            let [wd, wm]: [__m512; 2] = bytemuck::cast(dm[b]);
+            let [wd, wm] = dm[b].load(f);
             for r in 0..R {
                 let sum = f._mm512_add_epi32(
                     bw._mm512_madd_epi16(acc[0][r], ones),

@@ -26,15 +26,17 @@
 //!   sub-block scales; at load every 32-block gets its products `d · sc` (and `−dmin · min`) in
 //!   f32, as candle's dequantization computes them (not representable in f16), so the tiles hold
 //!   exactly the weights candle dequantizes. Q4_K (`D · q + M`, q in 0..15) is the Q4_1 nibble
-//!   layout and kernel with f32 scales. Q5_K (q in 0..31) is unsigned bytes in the Q8_0 layout
-//!   with `D`, `M` as Q4_1's; each half block's 8 products per i16 lane fit (8 · 31 · 127).
+//!   layout and kernel with f32 scales. Q5_K (q in 0..31) is the 5-bit layout: the Q4_1
+//!   nibbles plus a register of 5th bits per block, merged into each nibble register with a
+//!   shift and a ternary-logic OR (AVX2: and, or); `D`, `M` as Q4_1's; i16 lanes hold the
+//!   products of two nibble registers (4 · 2 · 31 · 127 < 2¹⁵), so a block has two sums.
 //!   Q6_K has a scale per 16 values and q in −32..31: signed bytes in the Q8_0 layout with
 //!   Q8_0's sign trick, two f32 scales per 32-block and an integer sum per half (8 · 32 · 127).
 //! - The other legacy types go into the kind that holds them exactly: Q4_0 (`d · (q − 8)`) as
-//!   Q4_1 with `m = −8d`; Q5_0 (`d · (q − 16)`) as Q8_0's signed bytes; Q5_1 (`d · q + m`, q in
-//!   0..31) as Q5_K's unsigned bytes with f32 scales. (SmolLM2's hidden size, 576, is not a
-//!   multiple of 256, so `llama-quantize` stores most of a Q4_K_M / Q5_K_M file's projections as
-//!   Q5_0 / Q5_1.)
+//!   Q4_1 with `m = −8d`; Q5_1 (`d · q + m`, q in 0..31) in the 5-bit layout with its f16
+//!   scales, and Q5_0 (`d · (q − 16)`) as Q5_1 with `m = −16d`. (SmolLM2's hidden size, 576, is
+//!   not a multiple of 256, so `llama-quantize` stores most of a Q4_K_M / Q5_K_M file's
+//!   projections as Q5_0 / Q5_1: as bytes they read 8.5 / 10 bits per weight, in 5 bits 6.)
 //!
 //! Numerics: activations are quantized per 32 values to i8 with an f16 scale, exactly as
 //! candle's `BlockQ8_0::from_float` does; integer sums per block, scaled in f32. For Q8_0 the
@@ -90,6 +92,18 @@ struct Q4Block {
     qs: [[u8; 64]; 4],
 }
 
+/// One 32-wide 5-bit block of 16 output rows (Q5_0, Q5_1, Q5_K): the low 4 bits of each
+/// value in the [`Q4Block`] nibble layout (`qs`), the 5th bits beside them in `qh`: byte `4r + k`
+/// holds row `r`'s 5th bits of the values in byte `4r + k` of `qs[n]`, the low nibble's at bit
+/// `2n` and the high nibble's at bit `2n + 1`. 320 bytes for 512 weights, where the same values
+/// as bytes took 512.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Q5Block {
+    qs: [[u8; 64]; 4],
+    qh: [u8; 64],
+}
+
 /// One 32-wide block's f32 scales for the 16 rows of a tile, as k-quant blocks have them after
 /// their per-superblock `d` and `dmin` multiply the 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block
 /// scales: `[D; M]` (the weight is `D · q + M`) or, for Q6_K, `[D of values 0..16; D of values
@@ -115,9 +129,14 @@ enum Kind {
         blocks: Vec<Q4Block>,
         dm: Vec<Scales32>,
     },
-    /// Q5_K: q in 0..31 as unsigned bytes in the Q8_0 layout, `D · q + M` per 32-block.
+    /// Q5_0 and Q5_1: q in 0..31 in the 5-bit layout, f16 `d · q + m` (Q5_0: `m = −16d`).
+    Q5 {
+        blocks: Vec<Q5Block>,
+        dm: Vec<[u16; 2 * TILE]>,
+    },
+    /// Q5_K: q in 0..31 in the 5-bit layout, `D · q + M` per 32-block.
     Q5K {
-        blocks: Vec<Q8Block>,
+        blocks: Vec<Q5Block>,
         dm: Vec<Scales32>,
     },
     /// Q6_K: q in -32..31 as signed bytes in the Q8_0 layout, a scale per 16 values.
@@ -133,6 +152,7 @@ impl Kind {
             Kind::Q8 { .. } => "Q8_0",
             Kind::Q4 { .. } => "Q4_1",
             Kind::Q4K { .. } => "Q4_K",
+            Kind::Q5 { .. } => "Q5_1",
             Kind::Q5K { .. } => "Q5_K",
             Kind::Q6K { .. } => "Q6_K",
         }
@@ -150,6 +170,10 @@ impl Kind {
                 dm: Vec::new(),
             },
             Kind::Q4K { .. } => Kind::Q4K {
+                blocks: Vec::new(),
+                dm: Vec::new(),
+            },
+            Kind::Q5 { .. } => Kind::Q5 {
                 blocks: Vec::new(),
                 dm: Vec::new(),
             },
@@ -179,6 +203,10 @@ impl Kind {
                 blocks.extend_from_slice(b);
                 dm.extend_from_slice(s);
             }
+            (Kind::Q5 { blocks, dm }, Kind::Q5 { blocks: b, dm: s }) => {
+                blocks.extend_from_slice(b);
+                dm.extend_from_slice(s);
+            }
             (Kind::Q5K { blocks, dm }, Kind::Q5K { blocks: b, dm: s }) => {
                 blocks.extend_from_slice(b);
                 dm.extend_from_slice(s);
@@ -200,6 +228,13 @@ pub struct Tiles {
     inp: usize,
     kind: Kind,
     simd: Simd,
+}
+
+impl Q5Block {
+    const ZERO: Self = Q5Block {
+        qs: [[0; 64]; 4],
+        qh: [0; 64],
+    };
 }
 
 impl std::fmt::Debug for Tiles {
@@ -331,6 +366,17 @@ fn put_q4(blk: &mut Q4Block, r: usize, q: impl Fn(usize) -> u8) {
     for h in 0..4 {
         for j in 0..4 {
             blk.qs[h][4 * r + j] = q(4 * h + j) | (q(4 * (h + 4) + j) << 4);
+        }
+    }
+}
+
+/// Row `r` of a 5-bit tile block from the block's 32 quants (each < 32).
+fn put_q5(blk: &mut Q5Block, r: usize, q: impl Fn(usize) -> u8) {
+    for n in 0..4 {
+        for k in 0..4 {
+            let (lo, hi) = (q(4 * n + k), q(4 * (n + 4) + k));
+            blk.qs[n][4 * r + k] = (lo & 0x0F) | ((hi & 0x0F) << 4);
+            blk.qh[4 * r + k] |= ((lo >> 4) << (2 * n)) | ((hi >> 4) << (2 * n + 1));
         }
     }
 }
@@ -538,46 +584,37 @@ impl Tiles {
             }
             GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
                 // GGUF Q5_0: d, qh (u32), qs[16]; Q5_1: d, m, qh, qs. Value j's low 4 bits are
-                // a nibble of qs[j % 16] (low for j < 16), its 5th bit is bit j of qh. Q5_0 is
-                // `d · (q − 16)`: signed bytes in the Q8_0 layout with `d`, exactly; Q5_1 is
-                // `d · q + m`: unsigned bytes in the Q5_K layout with f32 `d`, `m`.
-                let signed = dtype == GgmlDType::Q5_0;
-                let mut blocks = vec![Q8Block { qs: [[0; 64]; 8] }; tiles * kb];
-                let mut d16 = vec![[0u16; TILE]; if signed { tiles * kb } else { 0 }];
-                let mut dm = vec![[0f32; 2 * TILE]; if signed { 0 } else { tiles * kb }];
-                let h = |s: &[u8], i: usize| f16::from_le_bytes([s[i], s[i + 1]]);
+                // a nibble of qs[j % 16] (low for j < 16), its 5th bit is bit j of qh. Both go
+                // into the 5-bit layout as `d · q + m` with f16 scales: Q5_0 (`d · (q − 16)`)
+                // with `m = −16d`, exact in f16 unless it overflows (only a corrupt scale can).
+                let q5_0 = dtype == GgmlDType::Q5_0;
+                let mut blocks = vec![Q5Block::ZERO; tiles * kb];
+                let mut dm = vec![[0u16; 2 * TILE]; tiles * kb];
                 for row in 0..out {
                     let (ti, r) = (row / TILE, row % TILE);
                     for b in 0..kb {
                         let s = src(row, b);
                         let i = ti * kb + b;
-                        let at = if signed { 2 } else { 4 };
+                        let d = f16::from_le_bytes([s[0], s[1]]);
+                        let (m, at) = if q5_0 {
+                            (f16::from_f32(-16.0 * d.to_f32()), 2)
+                        } else {
+                            (f16::from_le_bytes([s[2], s[3]]), 4)
+                        };
+                        if !m.is_finite() {
+                            return Ok(None);
+                        }
+                        dm[i][r] = d.to_bits();
+                        dm[i][TILE + r] = m.to_bits();
                         let qh = u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
                         let qs = &s[at + 4..at + 20];
-                        let mut q = [0u8; BLOCK];
-                        for (j, v) in q.iter_mut().enumerate() {
-                            let nib = if j < 16 {
-                                qs[j] & 0x0F
-                            } else {
-                                qs[j - 16] >> 4
-                            };
-                            let v5 = nib | ((((qh >> j) & 1) as u8) << 4);
-                            *v = if signed { (v5 as i8 - 16) as u8 } else { v5 };
-                        }
-                        put_q8(&mut blocks[i], r, &q);
-                        if signed {
-                            d16[i][r] = h(s, 0).to_bits();
-                        } else {
-                            dm[i][r] = h(s, 0).to_f32();
-                            dm[i][TILE + r] = h(s, 2).to_f32();
-                        }
+                        put_q5(&mut blocks[i], r, |j| {
+                            let nib = if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 };
+                            nib | ((((qh >> j) & 1) as u8) << 4)
+                        });
                     }
                 }
-                if signed {
-                    Kind::Q8 { blocks, d: d16 }
-                } else {
-                    Kind::Q5K { blocks, dm }
-                }
+                Kind::Q5 { blocks, dm }
             }
             GgmlDType::Q4_1 => {
                 let mut blocks = vec![Q4Block { qs: [[0; 64]; 4] }; tiles * kb];
@@ -599,11 +636,10 @@ impl Tiles {
                 Kind::Q4 { blocks, dm }
             }
             _ => {
-                let nibbles = dtype == GgmlDType::Q4K;
-                let mut q4 =
-                    vec![Q4Block { qs: [[0; 64]; 4] }; if nibbles { tiles * kb } else { 0 }];
-                let mut q8 =
-                    vec![Q8Block { qs: [[0; 64]; 8] }; if nibbles { 0 } else { tiles * kb }];
+                let n = |on: bool| if on { tiles * kb } else { 0 };
+                let mut q4 = vec![Q4Block { qs: [[0; 64]; 4] }; n(dtype == GgmlDType::Q4K)];
+                let mut q5 = vec![Q5Block::ZERO; n(dtype == GgmlDType::Q5K)];
+                let mut q8 = vec![Q8Block { qs: [[0; 64]; 8] }; n(dtype == GgmlDType::Q6K)];
                 let mut sc = vec![[0f32; 2 * TILE]; tiles * kb];
                 for row in 0..out {
                     let (ti, r) = (row / TILE, row % TILE);
@@ -619,17 +655,17 @@ impl Tiles {
                                 sc[i][r] = k.d[j];
                                 sc[i][TILE + r] = k.m[j];
                             }
-                            if nibbles {
-                                put_q4(&mut q4[i], r, |v| q[v]);
-                            } else {
-                                put_q8(&mut q8[i], r, q);
+                            match dtype {
+                                GgmlDType::Q4K => put_q4(&mut q4[i], r, |v| q[v]),
+                                GgmlDType::Q5K => put_q5(&mut q5[i], r, |v| q[v]),
+                                _ => put_q8(&mut q8[i], r, q),
                             }
                         }
                     }
                 }
                 match dtype {
                     GgmlDType::Q4K => Kind::Q4K { blocks: q4, dm: sc },
-                    GgmlDType::Q5K => Kind::Q5K { blocks: q8, dm: sc },
+                    GgmlDType::Q5K => Kind::Q5K { blocks: q5, dm: sc },
                     _ => Kind::Q6K { blocks: q8, d: sc },
                 }
             }
@@ -746,12 +782,14 @@ impl Tiles {
                 (Simd::Avx512 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8, blocks, d),
                 (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4, blocks, dm),
                 (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5k, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(q5, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5, blocks, dm),
                 (Simd::Avx512 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k, blocks, d),
                 (Simd::Avx2 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8_avx2, blocks, d),
                 (Simd::Avx2 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4_avx2, blocks, dm),
                 (Simd::Avx2 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5k_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(q5_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5_avx2, blocks, dm),
                 (Simd::Avx2 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k_avx2, blocks, d),
             }
             row0 += n;
@@ -763,7 +801,7 @@ impl Tiles {
     #[cfg(not(target_arch = "x86_64"))]
     fn q4<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
     #[cfg(not(target_arch = "x86_64"))]
-    fn q5k<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
+    fn q5<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
     #[cfg(not(target_arch = "x86_64"))]
     fn q6k<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
     #[cfg(not(target_arch = "x86_64"))]
@@ -785,7 +823,7 @@ impl Tiles {
     ) {
     }
     #[cfg(not(target_arch = "x86_64"))]
-    fn q5k_avx2<const R: usize, W, S>(
+    fn q5_avx2<const R: usize, W, S>(
         &self,
         _: &[W],
         _: &[S],

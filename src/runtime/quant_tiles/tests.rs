@@ -323,6 +323,7 @@ fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
         GgmlDType::Q6K,
         GgmlDType::Q8_0,
         GgmlDType::Q4_1,
+        GgmlDType::Q5_1,
     ]
     .iter()
     .map(|&d| Tiles::new(&quantized(16, 256, d)).unwrap().unwrap())
@@ -364,12 +365,15 @@ fn this_cpus_best_instruction_set_is_used() {
 
 #[test]
 fn legacy_types_tile_exactly_as_candle_dequantizes_them() {
-    // Q4_0, Q5_0 and Q5_1 go into the Q4_1, Q8_0 and Q5_K layouts: the file's weights exactly,
-    // where the loader's requantization to Q8_0 rounded them again.
+    // Q4_0 goes into the Q4_1 layout, Q5_0 and Q5_1 into the 5-bit one: the file's weights
+    // exactly, where the loader's requantization to Q8_0 rounded them again.
     for (isa, dtype) in each_isa([GgmlDType::Q4_0, GgmlDType::Q5_0, GgmlDType::Q5_1]) {
         for (out, inp) in [(40, 576), (16, 32)] {
             let qt = quantized(out, inp, dtype);
             let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
+            // 5 bits a weight (plus scales), not a byte.
+            let five_bit = matches!(tiles.kind, Kind::Q5 { .. });
+            assert_eq!(five_bit, dtype != GgmlDType::Q4_0, "{dtype:?} as {tiles:?}");
             for rows in [1, 3, MAX_ROWS] {
                 let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
                 let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
