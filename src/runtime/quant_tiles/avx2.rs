@@ -3,7 +3,10 @@
 
 use std::arch::x86_64::__m256;
 
-use super::{ActRows, DmScales, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles, f16x8};
+use super::{
+    ActRows, DmScales, PREFETCH_BLOCKS, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles,
+    f16x8, prefetch,
+};
 
 /// Half `h` (rows 8h..8h+8) of a 16-row register's 64 bytes, as an AVX2 register.
 #[inline(always)]
@@ -12,19 +15,6 @@ fn half_reg(bytes: &[u8; 64], h: usize) -> std::arch::x86_64::__m256i {
     // reload waited on the store in the profile).
     let halves: &[[u8; 32]; 2] = bytemuck::cast_ref(bytes);
     bytemuck::cast(halves[h])
-}
-
-/// Blocks ahead of the one being computed whose cache lines the AVX2 kernels request.
-const PREFETCH_BLOCKS: usize = 4;
-
-/// Ask for the cache lines of `blocks[i]` (past the end: of whatever follows, which is
-/// harmless: a prefetch never faults and reads nothing).
-#[inline(always)]
-fn prefetch<T>(sse: pulp::core_arch::x86::Sse, blocks: &[T], i: usize) {
-    let p = blocks.as_ptr().wrapping_add(i) as *const i8;
-    for line in 0..std::mem::size_of::<T>() / 64 {
-        sse._mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(64 * line));
-    }
 }
 
 /// Rows 8h..8h+8 of each of `R` output rows.

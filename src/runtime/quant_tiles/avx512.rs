@@ -1,6 +1,9 @@
 //! The AVX-512BW kernels: a 512-bit register holds 4 weights of each of a tile's 16 rows.
 
-use super::{ActRows, DmScales, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles};
+use super::{
+    ActRows, DmScales, PREFETCH_BLOCKS, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles,
+    prefetch,
+};
 
 impl Tiles {
     #[inline(always)]
@@ -12,13 +15,14 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m256i, __m512, __m512i};
-        let Simd::Avx512 { f, bw } = self.simd else {
+        let Simd::Avx512 { f, bw, sse } = self.simd else {
             return;
         };
         let ones = f._mm512_set1_epi16(1);
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
         for (b, blk) in blocks.iter().enumerate() {
+            prefetch(sse, blocks, b + PREFETCH_BLOCKS);
             let mut acc: [__m512i; R] = [zero; R];
             for g in 0..8 {
                 let w: __m512i = bytemuck::cast(blk.qs[g]);
@@ -52,7 +56,7 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m512, __m512i};
-        let Simd::Avx512 { f, bw } = self.simd else {
+        let Simd::Avx512 { f, bw, sse } = self.simd else {
             return;
         };
         let ones = f._mm512_set1_epi16(1);
@@ -60,6 +64,7 @@ impl Tiles {
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
         for (b, blk) in blocks.iter().enumerate() {
+            prefetch(sse, blocks, b + PREFETCH_BLOCKS);
             // i16 lanes: at most 8 products of 15 · 127 each, no saturation.
             let mut acc: [__m512i; R] = [zero; R];
             for h in 0..4 {
@@ -96,7 +101,7 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m512, __m512i};
-        let Simd::Avx512 { f, bw } = self.simd else {
+        let Simd::Avx512 { f, bw, sse } = self.simd else {
             return;
         };
         let ones = f._mm512_set1_epi16(1);
@@ -105,6 +110,7 @@ impl Tiles {
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
         for (b, blk) in blocks.iter().enumerate() {
+            prefetch(sse, blocks, b + PREFETCH_BLOCKS);
             let qh: __m512i = bytemuck::cast(blk.qh);
             // i16 lanes per pair of nibble registers: 8 products of at most 31 · 127.
             let mut acc: [[__m512i; R]; 2] = [[zero; R]; 2];
@@ -156,13 +162,14 @@ impl Tiles {
         out: &mut [[f32; TILE]],
     ) {
         use std::arch::x86_64::{__m512, __m512i};
-        let Simd::Avx512 { f, bw } = self.simd else {
+        let Simd::Avx512 { f, bw, sse } = self.simd else {
             return;
         };
         let ones = f._mm512_set1_epi16(1);
         let zero = f._mm512_setzero_si512();
         let mut facc: [__m512; R] = [f._mm512_setzero_ps(); R];
         for (b, blk) in blocks.iter().enumerate() {
+            prefetch(sse, blocks, b + PREFETCH_BLOCKS);
             // i16 lanes per half block: 8 products of at most 32 · 127, no saturation.
             let mut acc: [[__m512i; R]; 2] = [[zero; R]; 2];
             for g in 0..8 {

@@ -403,6 +403,7 @@ enum Simd {
     Avx512 {
         f: pulp::core_arch::x86::Avx512f,
         bw: pulp::core_arch::x86::Avx512bw,
+        sse: pulp::core_arch::x86::Sse,
     },
     Avx2 {
         x: pulp::core_arch::x86::Avx,
@@ -442,6 +443,7 @@ fn simd_for(isa: Isa) -> Option<Simd> {
             Some(Simd::Avx512 {
                 f: x::Avx512f::try_new()?,
                 bw: x::Avx512bw::try_new()?,
+                sse: x::Sse::try_new()?,
             })
         }
         Isa::Avx2 => {
@@ -478,6 +480,22 @@ fn simd() -> Option<Simd> {
 /// Whether this CPU runs the tiled kernels.
 pub fn available() -> bool {
     simd().is_some()
+}
+
+/// Blocks ahead of the one being computed whose cache lines the kernels request (measured on
+/// the AVX2 kernels: 4 ahead +7-10% decode, 8 no better).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_BLOCKS: usize = 4;
+
+/// Ask for the cache lines of `blocks[i]` (past the end: of whatever follows, which is
+/// harmless: a prefetch never faults and reads nothing).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch<T>(sse: pulp::core_arch::x86::Sse, blocks: &[T], i: usize) {
+    let p = blocks.as_ptr().wrapping_add(i) as *const i8;
+    for line in 0..std::mem::size_of::<T>() / 64 {
+        sse._mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(64 * line));
+    }
 }
 
 /// Eight f16 scales as f32 (rows 8h..8h+8 of a tile).
