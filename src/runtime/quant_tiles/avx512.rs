@@ -133,7 +133,8 @@ impl Tiles {
                     let q = acts.q(r, b);
                     let plo = bw._mm512_maddubs_epi16(lo, f._mm512_set1_epi32(q[n]));
                     let phi = bw._mm512_maddubs_epi16(hi, f._mm512_set1_epi32(q[n + 4]));
-                    acc[n / 2][r] = bw._mm512_add_epi16(acc[n / 2][r], bw._mm512_add_epi16(plo, phi));
+                    acc[n / 2][r] =
+                        bw._mm512_add_epi16(acc[n / 2][r], bw._mm512_add_epi16(plo, phi));
                 }
             }
             let [wd, wm] = dm[b].load(f);

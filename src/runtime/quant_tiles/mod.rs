@@ -627,7 +627,11 @@ impl Tiles {
                         let qh = u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
                         let qs = &s[at + 4..at + 20];
                         put_q5(&mut blocks[i], r, |j| {
-                            let nib = if j < 16 { qs[j] & 0x0F } else { qs[j - 16] >> 4 };
+                            let nib = if j < 16 {
+                                qs[j] & 0x0F
+                            } else {
+                                qs[j - 16] >> 4
+                            };
                             nib | ((((qh >> j) & 1) as u8) << 4)
                         });
                     }
