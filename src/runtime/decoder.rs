@@ -68,63 +68,66 @@ pub enum Weight {
         /// one input quantization and one kernel call per step instead of two or three) and
         /// this one is output features `start..start + len` of it.
         part: Option<(usize, usize)>,
-        /// The same weight (all parts, when stacked) repacked for the tiled AVX-512 / AVX2
-        /// decode kernels ([`super::quant_tiles`]: the legacy types and the k-quants); absent on
-        /// other CPUs and types.
+        /// The same weight repacked for the tiled AVX-512 / AVX2 decode kernels
+        /// ([`super::quant_tiles`]: the legacy types and the k-quants); absent on other CPUs and
+        /// types. Stacked like `q`, and also where `q` could not be (projections of different
+        /// types): then this one is rows `tile_rows` of it.
         tiles: Option<Arc<super::quant_tiles::Tiles>>,
+        /// `Some((start, len))` when `tiles` holds several projections stacked.
+        tile_rows: Option<(usize, usize)>,
     },
 }
 
-/// The stacked projection several [`Linear`]s are parts of, if they are exactly that (in
-/// order, no gaps; adapters and biases are added per part afterwards).
-fn stacked<'a>(parts: &[&'a Linear]) -> Option<QuantRef<'a>> {
-    let mut fused: Option<QuantRef<'a>> = None;
+/// The stacked matrix several [`Linear`]s are parts of, if they are exactly that (in order, no
+/// gaps; adapters and biases are added per part afterwards): `rows` names each part's rows in
+/// it, `matrix` the shared value (compared by address).
+fn shared<'a, T>(
+    parts: &[&'a Linear],
+    rows: impl Fn(&'a Weight) -> Option<((usize, usize), &'a Arc<T>)>,
+) -> Option<&'a Arc<T>> {
+    let mut fused: Option<&'a Arc<T>> = None;
     let mut next = 0;
     for l in parts {
-        let Weight::Quant {
-            q,
-            part: Some((start, len)),
-            tiles,
-            ..
-        } = &l.weight
-        else {
-            return None;
-        };
-        if *start != next || fused.as_ref().is_some_and(|f| !Arc::ptr_eq(f.q, q)) {
+        let ((start, len), m) = rows(&l.weight)?;
+        if start != next || fused.is_some_and(|f| !Arc::ptr_eq(f, m)) {
             return None;
         }
-        fused = Some(QuantRef {
-            q,
-            tiles: tiles.as_deref(),
-        });
+        fused = Some(m);
         next = start + len;
     }
     fused
 }
 
-/// A quantized weight and its tiled repacking, if any.
-struct QuantRef<'a> {
-    q: &'a Arc<QMatMul>,
-    tiles: Option<&'a super::quant_tiles::Tiles>,
+/// A projection's rows in its stacked tiles, and the tiles.
+fn tile_part(w: &Weight) -> Option<((usize, usize), &Arc<super::quant_tiles::Tiles>)> {
+    match w {
+        Weight::Quant {
+            tiles: Some(t),
+            tile_rows: Some(r),
+            ..
+        } => Some((*r, t)),
+        _ => None,
+    }
 }
 
-impl QuantRef<'_> {
-    /// `x2 · Wᵀ` for `x2` (rows, in): the tiled kernel for a few rows of f32 inference input,
-    /// else candle's quantized matmul.
-    fn forward(&self, x2: &Tensor) -> Result<Tensor> {
-        match &self.tiles {
-            Some(t)
-                if super::infer::is_enabled()
-                    && !x2.track_op()
-                    && x2.device().is_cpu()
-                    && x2.dtype() == DType::F32
-                    && x2.dim(0)? <= super::quant_tiles::MAX_ROWS =>
-            {
-                t.matmul(x2)
-            }
-            _ => self.q.forward(x2),
-        }
+/// A projection's rows in its stacked quantized matrix, and the matrix.
+fn q_part(w: &Weight) -> Option<((usize, usize), &Arc<QMatMul>)> {
+    match w {
+        Weight::Quant {
+            q, part: Some(r), ..
+        } => Some((*r, q)),
+        _ => None,
     }
+}
+
+/// Whether the tiled kernels take a product with `x2` (rows, in): a few rows of f32 inference
+/// input on the CPU.
+fn tiles_take(x2: &Tensor) -> Result<bool> {
+    Ok(super::infer::is_enabled()
+        && !x2.track_op()
+        && x2.device().is_cpu()
+        && x2.dtype() == DType::F32
+        && x2.dim(0)? <= super::quant_tiles::MAX_ROWS)
 }
 
 /// Rows above which a quantized projection uses its dense copy: candle's quantized matmul
@@ -213,25 +216,29 @@ impl Linear {
             Weight::Quant { dense, .. } => dense.is_none() || rows <= PREFILL_DENSE_ROWS,
             Weight::Dense(_) => false,
         });
-        let fused = if quant_runs { stacked(parts) } else { None };
-        let Some(fused) = fused else {
+        if !quant_runs {
             return parts.iter().map(|l| l.forward(x)).collect();
-        };
+        }
         let x2 = x.reshape((rows, dims[last]))?;
-        let y = fused.forward(&x2)?;
+        // One call for all parts: their shared tiles (whatever their types), else their shared
+        // quantized matrix; `which` picks each part's rows in the result.
+        type Rows = fn(&Weight) -> Option<(usize, usize)>;
+        let (y, which): (Tensor, Rows) = match shared(parts, tile_part) {
+            Some(t) if tiles_take(&x2)? => (t.matmul(&x2)?, |w| tile_part(w).map(|(r, _)| r)),
+            _ => match shared(parts, q_part) {
+                Some(q) => (q.forward(&x2)?, |w| q_part(w).map(|(r, _)| r)),
+                None => return parts.iter().map(|l| l.forward(x)).collect(),
+            },
+        };
         parts
             .iter()
             .map(|l| {
-                let Weight::Quant {
-                    part: Some((start, len)),
-                    ..
-                } = &l.weight
-                else {
+                let Some((start, len)) = which(&l.weight) else {
                     candle_core::bail!("stacked projection without its part");
                 };
-                let yi = l.extras(y.narrow(1, *start, *len)?, &x2)?;
+                let yi = l.extras(y.narrow(1, start, len)?, &x2)?;
                 let mut out_dims = dims.clone();
-                out_dims[last] = *len;
+                out_dims[last] = len;
                 yi.reshape(out_dims)
             })
             .collect()
@@ -260,14 +267,18 @@ impl Linear {
                 dense,
                 part,
                 tiles,
-            } => match dense {
-                Some(w) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
-                _ => {
-                    let y = QuantRef {
-                        q,
-                        tiles: tiles.as_deref(),
+                tile_rows,
+            } => match (dense, tiles) {
+                (Some(w), _) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
+                (_, Some(t)) if tiles_take(&x2)? => {
+                    let y = t.matmul(&x2)?;
+                    match tile_rows {
+                        Some((start, len)) => y.narrow(1, *start, *len)?,
+                        None => y,
                     }
-                    .forward(&x2)?;
+                }
+                _ => {
+                    let y = q.forward(&x2)?;
                     match part {
                         Some((start, len)) => y.narrow(1, *start, *len)?,
                         None => y,

@@ -201,8 +201,10 @@ pub fn is_gguf(path: &Path) -> bool {
 /// Stack quantized projections of the same input (q/k/v, gate/up) into one quantized matrix,
 /// each keeping its rows as a part (see [`Weight::Quant`]): a decode step then quantizes the
 /// input once and makes one kernel call instead of two or three. The separate matrices are
-/// dropped (the f32 prefill copies stay per projection). Left as they are when the types or
-/// input widths differ (k-quant files mix types), or a projection is not a quantized tensor.
+/// dropped (the f32 prefill copies stay per projection). When the types differ (k-quant files
+/// mix them: Q5_0 q/k beside a Q8_0 v) only the tiles are stacked, each projection keeping its
+/// own matrix for the other paths. Left as they are when the input widths differ or a
+/// projection is not a quantized tensor.
 fn stack_quantized<const N: usize>(
     parts: [Linear; N],
     device: &Device,
@@ -222,19 +224,11 @@ fn stack_quantized<const N: usize>(
     let mut rows = Vec::with_capacity(N);
     for t in &tensors {
         let (o, i) = t.shape().dims2()?;
-        if t.dtype() != dtype || i != inp {
+        if i != inp {
             return Ok(parts);
         }
         rows.push(o);
     }
-    let mut data = Vec::new();
-    for t in &tensors {
-        data.extend_from_slice(&t.data()?);
-    }
-    let total: usize = rows.iter().sum();
-    let storage =
-        candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), device, dtype)?;
-    let fused = Arc::new(QMatMul::from_qtensor(QTensor::new(storage, (total, inp))?)?);
     let part_tiles: Option<Vec<&crate::runtime::quant_tiles::Tiles>> = parts
         .iter()
         .map(|l| match &l.weight {
@@ -245,18 +239,44 @@ fn stack_quantized<const N: usize>(
     let tiles = part_tiles
         .and_then(|t| crate::runtime::quant_tiles::Tiles::stack(&t))
         .map(Arc::new);
+    let same_type = tensors.iter().all(|t| t.dtype() == dtype);
+    if !same_type && tiles.is_none() {
+        return Ok(parts);
+    }
+    let fused = if same_type {
+        let mut data = Vec::new();
+        for t in &tensors {
+            data.extend_from_slice(&t.data()?);
+        }
+        let total: usize = rows.iter().sum();
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(data),
+            device,
+            dtype,
+        )?;
+        Some(Arc::new(QMatMul::from_qtensor(QTensor::new(
+            storage,
+            (total, inp),
+        )?)?))
+    } else {
+        None
+    };
     let mut start = 0;
     Ok(parts.map(|l| {
         let len = rows.remove(0);
-        let dense = match l.weight {
-            Weight::Quant { dense, .. } => dense,
-            Weight::Dense(_) => None,
+        let Weight::Quant { q, dense, .. } = l.weight else {
+            return l;
+        };
+        let (q, part) = match &fused {
+            Some(f) => (f.clone(), Some((start, len))),
+            None => (q, None),
         };
         let out = Linear {
             weight: Weight::Quant {
-                q: fused.clone(),
+                q,
                 dense,
-                part: Some((start, len)),
+                part,
+                tile_rows: tiles.as_ref().map(|_| (start, len)),
                 tiles: tiles.clone(),
             },
             ..l
@@ -417,6 +437,7 @@ pub fn load_gguf_with(
                 dense,
                 part: None,
                 tiles: tiles.map(Arc::new),
+                tile_rows: None,
             },
             bias: None,
             lora: None,

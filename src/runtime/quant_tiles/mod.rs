@@ -188,6 +188,17 @@ impl Kind {
         }
     }
 
+    /// Whole tiles held, for `kb` blocks per row.
+    fn tiles(&self, kb: usize) -> usize {
+        let blocks = match self {
+            Kind::Q8 { blocks, .. } => blocks.len(),
+            Kind::Q4 { blocks, .. } | Kind::Q4K { blocks, .. } => blocks.len(),
+            Kind::Q5 { blocks, .. } | Kind::Q5K { blocks, .. } => blocks.len(),
+            Kind::Q6K { blocks, .. } => blocks.len(),
+        };
+        blocks / kb.max(1)
+    }
+
     /// Append `other`'s tiles; `false` (nothing appended) when the kinds differ.
     fn extend(&mut self, other: &Kind) -> bool {
         match (self, other) {
@@ -226,7 +237,9 @@ impl Kind {
 pub struct Tiles {
     out: usize,
     inp: usize,
-    kind: Kind,
+    /// The tiles in row order, as runs of one kind each: one run, or several when projections
+    /// of different types are stacked (a K_M file's Q5_0 q/k beside its Q8_0 v).
+    runs: Vec<Kind>,
     simd: Simd,
 }
 
@@ -242,7 +255,11 @@ impl std::fmt::Debug for Tiles {
         write!(
             f,
             "Tiles({}, {} × {})",
-            self.kind.name(),
+            self.runs
+                .iter()
+                .map(Kind::name)
+                .collect::<Vec<_>>()
+                .join("+"),
             self.out,
             self.inp
         )
@@ -695,32 +712,38 @@ impl Tiles {
         Ok(Some(Self {
             out,
             inp,
-            kind,
+            runs: vec![kind],
             simd,
         }))
     }
 
     /// Several projections of the same input stacked as one (their rows in order), when each
-    /// but the last fills whole tiles and all are the same kind and width; else `None`.
+    /// but the last fills whole tiles and all have the same width and instruction set; else
+    /// `None`. Parts of one kind share a run; a part of another kind starts a new one, so one
+    /// call computes them all whatever their types.
     pub fn stack(parts: &[&Tiles]) -> Option<Self> {
         let first = parts.first()?;
         let inp = first.inp;
         let mut out = 0;
-        let mut kind = first.kind.empty();
+        let mut runs: Vec<Kind> = Vec::new();
         for (i, p) in parts.iter().enumerate() {
             if p.inp != inp || p.isa() != first.isa() || (i + 1 < parts.len() && p.out % TILE != 0)
             {
                 return None;
             }
-            if !kind.extend(&p.kind) {
-                return None;
+            for kind in &p.runs {
+                if !runs.last_mut().is_some_and(|last| last.extend(kind)) {
+                    let mut run = kind.empty();
+                    run.extend(kind);
+                    runs.push(run);
+                }
             }
             out += p.out;
         }
         Some(Self {
             out,
             inp,
-            kind,
+            runs,
             simd: first.simd,
         })
     }
@@ -758,7 +781,16 @@ impl Tiles {
                 yt.chunks_mut(rows * TILE).map(Mutex::new).collect();
             let item = |t: usize| {
                 let mut acc = [[0f32; TILE]; MAX_ROWS];
-                self.tile(t * kb..(t + 1) * kb, &acts, &mut acc[..rows]);
+                // The run holding tile `t`, and the tile's place in it.
+                let (mut kind, mut i) = (&self.runs[0], t);
+                for run in &self.runs {
+                    kind = run;
+                    if i < run.tiles(kb) {
+                        break;
+                    }
+                    i -= run.tiles(kb);
+                }
+                self.tile(kind, i * kb..(i + 1) * kb, &acts, &mut acc[..rows]);
                 if let Ok(mut dst) = chunks[t].lock() {
                     for (r, a) in acc[..rows].iter().enumerate() {
                         dst[r * TILE..(r + 1) * TILE].copy_from_slice(a);
@@ -781,7 +813,13 @@ impl Tiles {
 
     /// One tile (its blocks `range`) against every input row; rows in passes of at most 4
     /// (register pressure), each row by the same arithmetic as alone.
-    fn tile(&self, range: std::ops::Range<usize>, acts: &Acts, out: &mut [[f32; TILE]]) {
+    fn tile(
+        &self,
+        kind: &Kind,
+        range: std::ops::Range<usize>,
+        acts: &Acts,
+        out: &mut [[f32; TILE]],
+    ) {
         let kb = range.len();
         let mut row0 = 0;
         while row0 < out.len() {
@@ -800,7 +838,7 @@ impl Tiles {
                     }
                 }};
             }
-            match (self.simd, &self.kind) {
+            match (self.simd, kind) {
                 (Simd::Avx512 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8, blocks, d),
                 (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4, blocks, dm),
                 (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4, blocks, dm),

@@ -296,7 +296,7 @@ fn k_quant_tiles_are_as_close_to_the_exact_product_as_candles_kernels() {
 }
 
 #[test]
-fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
+fn stacked_tiles_of_any_kinds_equal_the_parts() {
     if !available() {
         return;
     }
@@ -316,7 +316,8 @@ fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
         let want = Tensor::cat(&alone, 1).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(stacked.matmul(&x).unwrap().to_vec2::<f32>().unwrap(), want);
     }
-    // A Q4_K_M file mixes types per tensor: q/k/v or gate/up of different kinds stay apart.
+    // A Q4_K_M file mixes types per tensor (Q5_0 q/k, Q8_0 v): parts of different kinds stack
+    // as runs, and one call equals the parts side by side.
     let kinds: Vec<Tiles> = [
         GgmlDType::Q4K,
         GgmlDType::Q5K,
@@ -328,9 +329,14 @@ fn stacked_k_quant_tiles_equal_the_parts_and_mixed_kinds_refuse() {
     .iter()
     .map(|&d| Tiles::new(&quantized(16, 256, d)).unwrap().unwrap())
     .collect();
-    for (i, a) in kinds.iter().enumerate() {
-        for (j, b) in kinds.iter().enumerate() {
-            assert_eq!(Tiles::stack(&[a, b]).is_some(), i == j, "{a:?} with {b:?}");
+    let x = Tensor::randn(0f32, 1.0, (2, 256), &Device::Cpu).unwrap();
+    for a in &kinds {
+        for b in &kinds {
+            let stacked = Tiles::stack(&[a, b, a]).unwrap();
+            let alone = [a, b, a].map(|p| p.matmul(&x).unwrap());
+            let want = Tensor::cat(&alone, 1).unwrap().to_vec2::<f32>().unwrap();
+            let got = stacked.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(got, want, "{a:?} with {b:?}");
         }
     }
     // Tiles of one kind for different instruction sets stay apart too.
@@ -372,7 +378,7 @@ fn legacy_types_tile_exactly_as_candle_dequantizes_them() {
             let qt = quantized(out, inp, dtype);
             let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
             // 5 bits a weight (plus scales), not a byte.
-            let five_bit = matches!(tiles.kind, Kind::Q5 { .. });
+            let five_bit = matches!(tiles.runs[..], [Kind::Q5 { .. }]);
             assert_eq!(five_bit, dtype != GgmlDType::Q4_0, "{dtype:?} as {tiles:?}");
             for rows in [1, 3, MAX_ROWS] {
                 let x = Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu).unwrap();
