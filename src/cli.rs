@@ -566,6 +566,11 @@ pub struct TrainArgs {
     /// an id from the request) out of the policy term: RL trains the decisions.
     #[arg(long)]
     pub mask_copies: bool,
+    /// Padded tokens per forward/backward micro-batch (the gradient is accumulated over them):
+    /// activation memory grows with it and with the model (SmolLM2-135M at 4096: ~11 GB per
+    /// training process).
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub micro_batch_tokens: usize,
     /// Train on the first N train tasks of each domain only.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,

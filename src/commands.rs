@@ -574,6 +574,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if a.epochs == 0 {
         bail!("--epochs 0: at least one optimisation pass per step");
     }
+    if a.micro_batch_tokens == 0 {
+        bail!("--micro-batch-tokens 0: a micro-batch holds at least one row");
+    }
     let device = candle_core::Device::Cpu;
     let (model, resume, model_dir) =
         trainable_model(&a.model, &a.lora, a.seed, a.resume.as_deref(), &device)?;
@@ -609,6 +612,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         sim_recall: a.sim_recall,
         roles: envace::train::data::parse_roles(&a.roles)?,
         mask_copies: a.mask_copies,
+        micro_batch_tokens: a.micro_batch_tokens,
         ..GrpoConfig::default()
     };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

@@ -495,6 +495,60 @@ fn grpo_on_bundled(
 }
 
 #[test]
+fn small_micro_batches_accumulate_to_the_same_step() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::grpo::GrpoConfig;
+    // The same rollouts (same seed) trained as one micro-batch and as many: the step's loss and
+    // gradient norm are sums over micro-batches normalised by the whole batch, so they agree to
+    // float rounding.
+    let run = |micro_batch_tokens: usize| {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = GrpoConfig {
+            steps: 1,
+            batch: 2,
+            group: 4,
+            mode: ModeChoice::Real,
+            lr: 1e-3,
+            micro_batch_tokens,
+            ..Default::default()
+        };
+        let sink = grpo_on_bundled(&cfg, out.path()).unwrap();
+        let m = &sink.steps[0];
+        let get = |k: &str| m.get(k).unwrap_or_else(|| panic!("{k} missing: {m:?}"));
+        (get("loss"), get("grad_norm"), get("rows_trained"))
+    };
+    let (whole, split) = (run(1 << 20), run(64));
+    assert_eq!(whole.2, split.2, "rows trained");
+    assert!(
+        whole.0 != 0.0 && whole.1 > 0.0,
+        "nothing trained: {whole:?}"
+    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * (a.abs() + b.abs()) + 1e-7;
+    assert!(
+        close(whole.0, split.0) && close(whole.1, split.1),
+        "one micro-batch {whole:?} vs many {split:?}"
+    );
+    // And the CLI refuses an empty budget by name.
+    let args: Vec<&std::ffi::OsStr> = [
+        "train",
+        "--micro-batch-tokens",
+        "0",
+        "--out",
+        "/nonexistent",
+    ]
+    .iter()
+    .map(|a| a.as_ref())
+    .collect();
+    let o = envace(&args);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--micro-batch-tokens 0"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
 fn frozen_parameters_stay_fixed_while_the_others_train() {
     use envace::engine::runner::ModeChoice;
     use envace::train::grpo::GrpoConfig;
