@@ -567,8 +567,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub mask_copies: bool,
     /// Padded tokens per forward/backward micro-batch (the gradient is accumulated over them):
-    /// activation memory grows with it and with the model (SmolLM2-135M at 4096: ~11 GB per
-    /// training process).
+    /// activation memory grows with it and with the model (a SmolLM2-135M LoRA step, group 8:
+    /// 10.9 GB peak at 4096, 4.7 GB at 1024, same loss and gradient, 1.3× the tokens/s).
     #[arg(long, default_value_t = 4096, value_name = "N")]
     pub micro_batch_tokens: usize,
     /// Train on the first N train tasks of each domain only.
