@@ -4,8 +4,8 @@
 use std::arch::x86_64::__m256;
 
 use super::{
-    ActRows, DmScales, PREFETCH_BLOCKS, Q4Block, Q5Block, Q8Block, Scales32, Simd, TILE, Tiles,
-    f16x8, prefetch,
+    ActRows, DmScales, Nibbles, PREFETCH_BLOCKS, Q8Block, Scales32, Simd, TILE, Tiles, f16x8,
+    fifth, prefetch,
 };
 
 /// Half `h` (rows 8h..8h+8) of a 16-row register's 64 bytes, as an AVX2 register.
@@ -68,12 +68,13 @@ impl Tiles {
         }
     }
 
-    /// AVX2 nibble weights `d · q + m` (Q4_1, Q4_K), by the halves of the tile.
+    /// AVX2 nibble weights `d · q + m`, 4- or 5-bit (see [`Self::nibbles`]), by the halves of
+    /// the tile; the 5th bits merged with and/or.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub(super) fn q4_avx2<const R: usize>(
+    pub(super) fn nibbles_avx2<const R: usize>(
         &self,
-        blocks: &[Q4Block],
+        blocks: &[impl Nibbles],
         dm: &[impl DmScales],
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
@@ -82,54 +83,7 @@ impl Tiles {
         let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
             return;
         };
-        let ones = x._mm256_set1_epi16(1);
-        let low = x._mm256_set1_epi8(0x0F);
-        for h in 0..2 {
-            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
-            for (b, blk) in blocks.iter().enumerate() {
-                if h == 0 {
-                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
-                }
-                // i16 lanes: at most 16 products of 15 · 127 each, no saturation.
-                let mut acc: [__m256i; R] = [x._mm256_setzero_si256(); R];
-                for n in 0..4 {
-                    let w = half_reg(&blk.qs[n], h);
-                    let lo = x2._mm256_and_si256(w, low);
-                    let hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
-                    for r in 0..R {
-                        let q = acts.q(r, b);
-                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
-                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
-                        acc[r] = x2._mm256_add_epi16(acc[r], x2._mm256_add_epi16(plo, phi));
-                    }
-                }
-                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
-                for r in 0..R {
-                    let sum = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[r], ones));
-                    let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
-                    facc[r] = fma._mm256_fmadd_ps(sum, scale, facc[r]);
-                    facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);
-                }
-            }
-            store_half(out, h, &facc);
-        }
-    }
-
-    /// AVX2 5-bit weights `d · q + m` (Q5_0, Q5_1, Q5_K), by the halves of the tile; the
-    /// 5th bits merged as in [`Self::q5`] with and/or.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    pub(super) fn q5_avx2<const R: usize>(
-        &self,
-        blocks: &[Q5Block],
-        dm: &[impl DmScales],
-        acts: ActRows<'_>,
-        out: &mut [[f32; TILE]],
-    ) {
-        use std::arch::x86_64::__m256i;
-        let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
-            return;
-        };
+        let five = fifth(blocks);
         let ones = x._mm256_set1_epi16(1);
         let low = x._mm256_set1_epi8(0x0F);
         let bit4 = x._mm256_set1_epi8(0x10);
@@ -139,39 +93,41 @@ impl Tiles {
                 if h == 0 {
                     prefetch(sse, blocks, b + PREFETCH_BLOCKS);
                 }
-                let qh = half_reg(&blk.qh, h);
-                // i16 lanes per pair of nibble registers: 8 products of at most 31 · 127.
+                // i16 lanes as in the AVX-512 kernel.
                 let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
+                let qh = if five {
+                    half_reg(blk.qh(), h)
+                } else {
+                    x._mm256_setzero_si256()
+                };
                 for n in 0..4 {
-                    let w = half_reg(&blk.qs[n], h);
-                    let (hlo, hhi) = match n {
-                        0 => (x2._mm256_slli_epi16::<4>(qh), x2._mm256_slli_epi16::<3>(qh)),
-                        1 => (x2._mm256_slli_epi16::<2>(qh), x2._mm256_slli_epi16::<1>(qh)),
-                        2 => (qh, x2._mm256_srli_epi16::<1>(qh)),
-                        _ => (x2._mm256_srli_epi16::<2>(qh), x2._mm256_srli_epi16::<3>(qh)),
-                    };
-                    let lo = x2._mm256_or_si256(
-                        x2._mm256_and_si256(w, low),
-                        x2._mm256_and_si256(hlo, bit4),
-                    );
-                    let hi = x2._mm256_or_si256(
-                        x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low),
-                        x2._mm256_and_si256(hhi, bit4),
-                    );
+                    let w = half_reg(&blk.qs()[n], h);
+                    let mut lo = x2._mm256_and_si256(w, low);
+                    let mut hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
+                    if five {
+                        let (hlo, hhi) = match n {
+                            0 => (x2._mm256_slli_epi16::<4>(qh), x2._mm256_slli_epi16::<3>(qh)),
+                            1 => (x2._mm256_slli_epi16::<2>(qh), x2._mm256_slli_epi16::<1>(qh)),
+                            2 => (qh, x2._mm256_srli_epi16::<1>(qh)),
+                            _ => (x2._mm256_srli_epi16::<2>(qh), x2._mm256_srli_epi16::<3>(qh)),
+                        };
+                        lo = x2._mm256_or_si256(lo, x2._mm256_and_si256(hlo, bit4));
+                        hi = x2._mm256_or_si256(hi, x2._mm256_and_si256(hhi, bit4));
+                    }
+                    let a = if five { n / 2 } else { 0 };
                     for r in 0..R {
                         let q = acts.q(r, b);
                         let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
                         let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
-                        acc[n / 2][r] =
-                            x2._mm256_add_epi16(acc[n / 2][r], x2._mm256_add_epi16(plo, phi));
+                        acc[a][r] = x2._mm256_add_epi16(acc[a][r], x2._mm256_add_epi16(plo, phi));
                     }
                 }
                 let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
                 for r in 0..R {
-                    let sum = x2._mm256_add_epi32(
-                        x2._mm256_madd_epi16(acc[0][r], ones),
-                        x2._mm256_madd_epi16(acc[1][r], ones),
-                    );
+                    let mut sum = x2._mm256_madd_epi16(acc[0][r], ones);
+                    if five {
+                        sum = x2._mm256_add_epi32(sum, x2._mm256_madd_epi16(acc[1][r], ones));
+                    }
                     let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
                     facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[r]);
                     facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);

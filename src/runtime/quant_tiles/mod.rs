@@ -250,6 +250,46 @@ impl Q5Block {
     };
 }
 
+/// The blocks of the one nibble kernel per instruction set: 4-bit ([`Q4Block`]) or 5-bit
+/// ([`Q5Block`]: the same nibbles plus 5th bits, merged in when `FIFTH`, a compile-time
+/// constant, so the 4-bit kernel carries none of it).
+trait Nibbles: Copy {
+    const FIFTH: bool;
+    fn qs(&self) -> &[[u8; 64]; 4];
+    /// The 5th bits (4-bit blocks: none, never read).
+    fn qh(&self) -> &[u8; 64];
+}
+
+/// `B::FIFTH` of a slice of blocks (kernels take them as `impl Nibbles`).
+#[inline(always)]
+fn fifth<B: Nibbles>(_: &[B]) -> bool {
+    B::FIFTH
+}
+
+impl Nibbles for Q4Block {
+    const FIFTH: bool = false;
+    #[inline(always)]
+    fn qs(&self) -> &[[u8; 64]; 4] {
+        &self.qs
+    }
+    #[inline(always)]
+    fn qh(&self) -> &[u8; 64] {
+        &[0; 64]
+    }
+}
+
+impl Nibbles for Q5Block {
+    const FIFTH: bool = true;
+    #[inline(always)]
+    fn qs(&self) -> &[[u8; 64]; 4] {
+        &self.qs
+    }
+    #[inline(always)]
+    fn qh(&self) -> &[u8; 64] {
+        &self.qh
+    }
+}
+
 impl std::fmt::Debug for Tiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -840,16 +880,16 @@ impl Tiles {
             }
             match (self.simd, kind) {
                 (Simd::Avx512 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8, blocks, d),
-                (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(q5, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(nibbles, blocks, dm),
                 (Simd::Avx512 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k, blocks, d),
                 (Simd::Avx2 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8_avx2, blocks, d),
-                (Simd::Avx2 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(q4_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(q4_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(q5_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(q5_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
                 (Simd::Avx2 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k_avx2, blocks, d),
             }
             row0 += n;
@@ -859,9 +899,14 @@ impl Tiles {
     #[cfg(not(target_arch = "x86_64"))]
     fn q8<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
     #[cfg(not(target_arch = "x86_64"))]
-    fn q4<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
-    #[cfg(not(target_arch = "x86_64"))]
-    fn q5<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
+    fn nibbles<const R: usize, W, S>(
+        &self,
+        _: &[W],
+        _: &[S],
+        _: ActRows<'_>,
+        _: &mut [[f32; TILE]],
+    ) {
+    }
     #[cfg(not(target_arch = "x86_64"))]
     fn q6k<const R: usize, W, S>(&self, _: &[W], _: &[S], _: ActRows<'_>, _: &mut [[f32; TILE]]) {}
     #[cfg(not(target_arch = "x86_64"))]
@@ -874,16 +919,7 @@ impl Tiles {
     ) {
     }
     #[cfg(not(target_arch = "x86_64"))]
-    fn q4_avx2<const R: usize, W, S>(
-        &self,
-        _: &[W],
-        _: &[S],
-        _: ActRows<'_>,
-        _: &mut [[f32; TILE]],
-    ) {
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    fn q5_avx2<const R: usize, W, S>(
+    fn nibbles_avx2<const R: usize, W, S>(
         &self,
         _: &[W],
         _: &[S],
