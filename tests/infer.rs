@@ -13,6 +13,14 @@ use envace::runtime::fixture::{random_weights, tiny_config};
 use envace::runtime::kv_cache::KvCache;
 use envace::runtime::loader::{GgufOptions, build_dense, load_gguf_with};
 
+/// The GGUF checks switch the process-wide fast path off and on (`infer::set_enabled`) to
+/// compare both paths; the other tests assume it on (their bit-exact checks fail on a step that
+/// ran the tensor path). Every test here holds this lock, so none sees another's switch.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn fixture_decoder(family: Family) -> Decoder {
     let cfg = tiny_config(family);
     let tensors = random_weights(&cfg, 5, 0.2)
@@ -65,6 +73,7 @@ fn stepwise_vs_whole(dec: &Decoder, rows: &[Vec<u32>], pad: Vec<usize>, prefill:
 
 #[test]
 fn decode_steps_match_the_whole_sequence_forward_in_every_family() {
+    let _serial = serial();
     for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
         let dec = fixture_decoder(family);
         let row: Vec<u32> = (0..40u32).map(|i| (i * 37 + 5) % 256).collect();
@@ -75,6 +84,7 @@ fn decode_steps_match_the_whole_sequence_forward_in_every_family() {
 
 #[test]
 fn decode_steps_match_with_left_padding_in_a_batch() {
+    let _serial = serial();
     let dec = fixture_decoder(Family::Qwen2);
     let a: Vec<u32> = (0..30u32).map(|i| (i * 37 + 5) % 256).collect();
     let mut b = vec![0u32; 6];
@@ -101,6 +111,7 @@ fn decode_rows(dec: &Decoder, cache: &mut KvCache, steps: &[Vec<u32>]) -> Vec<Ve
 
 #[test]
 fn forked_branches_share_the_prefix_and_decode_exactly_like_the_row_alone() {
+    let _serial = serial();
     for family in [Family::Llama, Family::Qwen3] {
         let dec = fixture_decoder(family);
         let vocab = dec.cfg.vocab_size as u32;
@@ -187,6 +198,7 @@ fn smollm2_gguf() -> PathBuf {
 
 #[test]
 fn decode_steps_match_the_whole_sequence_on_the_smollm2_gguf() {
+    let _serial = serial();
     check_decode_steps(&smollm2_gguf());
 }
 
@@ -196,6 +208,7 @@ fn decode_steps_match_the_whole_sequence_on_the_smollm2_gguf() {
 /// uniform file.
 #[test]
 fn decode_steps_match_on_a_gguf_whose_qkv_types_differ() {
+    let _serial = serial();
     use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
     let src = smollm2_gguf();
     let mut f = std::fs::File::open(&src).unwrap();
