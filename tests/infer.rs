@@ -93,6 +93,64 @@ fn decode_steps_match_with_left_padding_in_a_batch() {
     assert!(d < 1e-4, "max abs logit diff {d}");
 }
 
+/// The prefill attention's one-pass scale + mask + softmax (`infer::softmax_prefill`) against
+/// the tensor path's three ops (fast path off): every position's logits of a left-padded
+/// batch, in one forward from empty and in a second chunk of several positions after cached
+/// ones (causal window `offset + i`).
+#[test]
+fn prefill_softmax_matches_the_tensor_path_with_padding_and_an_offset() {
+    let _serial = serial();
+    for family in [Family::Llama, Family::Qwen3] {
+        let dec = fixture_decoder(family);
+        let a: Vec<u32> = (0..27u32).map(|i| (i * 37 + 5) % 256).collect();
+        let mut b = vec![0u32; 5];
+        b.extend((0..22u32).map(|i| (i * 11 + 2) % 256));
+        let ids = Tensor::from_vec([a, b].concat(), (2, 27), &Device::Cpu).unwrap();
+        let run = |on: bool| -> (Vec<f32>, Vec<f32>) {
+            envace::runtime::infer::set_enabled(on);
+            let logits = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut cache = KvCache::with_padding(dec.layers.len(), vec![0, 5]);
+            let whole = dec
+                .forward(&ids, &mut cache, Pass::Infer, LogitsAt::All)
+                .unwrap();
+            let mut cache = KvCache::with_padding(dec.layers.len(), vec![0, 5]);
+            dec.forward(
+                &ids.narrow(1, 0, 11).unwrap(),
+                &mut cache,
+                Pass::Infer,
+                LogitsAt::All,
+            )
+            .unwrap();
+            let chunk = dec
+                .forward(
+                    &ids.narrow(1, 11, 16).unwrap(),
+                    &mut cache,
+                    Pass::Infer,
+                    LogitsAt::All,
+                )
+                .unwrap();
+            envace::runtime::infer::set_enabled(true);
+            (logits(whole), logits(chunk))
+        };
+        let ((fast_whole, fast_chunk), (slow_whole, slow_chunk)) = (run(true), run(false));
+        let d = max_abs_diff(&fast_whole, &slow_whole);
+        assert!(d < 1e-4, "{family:?} whole: max abs logit diff {d}");
+        let d = max_abs_diff(&fast_chunk, &slow_chunk);
+        assert!(
+            d < 1e-4,
+            "{family:?} chunk after 11: max abs logit diff {d}"
+        );
+        // The second chunk continues the first: its logits are the whole forward's last 16.
+        let vocab = dec.cfg.vocab_size;
+        for r in 0..2 {
+            let whole_tail = &fast_whole[(r * 27 + 11) * vocab..(r + 1) * 27 * vocab];
+            let chunk = &fast_chunk[r * 16 * vocab..(r + 1) * 16 * vocab];
+            let d = max_abs_diff(whole_tail, chunk);
+            assert!(d < 1e-4, "{family:?} row {r}: chunked vs whole diff {d}");
+        }
+    }
+}
+
 /// Feed `steps[t][r]` to row r at step t; logits of every step, flattened per step.
 fn decode_rows(dec: &Decoder, cache: &mut KvCache, steps: &[Vec<u32>]) -> Vec<Vec<f32>> {
     steps

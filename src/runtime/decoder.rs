@@ -513,7 +513,13 @@ impl Attention {
         // GQA without copying k/v: fold the query groups into the row dimension.
         let q = q.reshape((b, nkv, groups * l, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?;
+        let att = q.matmul(&k.t()?)?;
+        if pass == Pass::Infer && super::infer::prefill_supports(&att) {
+            // Prefill: scale, mask and softmax in one pass over the fresh scores, in place.
+            super::infer::softmax_prefill(&att, scale as f32, l, offset, cache.pad(b))?;
+            return self.attend_values(&att, &v, b, l);
+        }
+        let att = (att * scale)?;
         let att = match mask {
             Some(m) => {
                 let att = att.reshape((b, nkv, groups, l, s))?;
@@ -526,7 +532,15 @@ impl Attention {
             Pass::Infer => candle_nn::ops::softmax_last_dim(&att.contiguous()?)?,
             Pass::Train => super::fused::softmax_last_dim(&att)?,
         };
-        let out = att.matmul(&v)?; // (b, nkv, groups*l, hd)
+        self.attend_values(&att, &v, b, l)
+    }
+
+    /// The probabilities `att` (b, nkv, groups·l, s) times the values, heads back in order,
+    /// through the output projection.
+    fn attend_values(&self, att: &Tensor, v: &Tensor, b: usize, l: usize) -> Result<Tensor> {
+        let (_, nkv, _, hd) = v.dims4()?;
+        let nh = att.dim(2)? / l * nkv;
+        let out = att.matmul(v)?; // (b, nkv, groups*l, hd)
         let out = out
             .reshape((b, nh, l, hd))?
             .transpose(1, 2)?

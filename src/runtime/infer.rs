@@ -12,6 +12,11 @@
 //! exactly the mask [`build_mask`](super::decoder) adds, and every row is computed by the same
 //! loop whatever the batch, so a batched row equals the same row decoded alone bit for bit.
 //! Only inference uses it (no autograd through it).
+//!
+//! Prefill (several new positions per row) keeps candle's matmuls for `q·kᵀ` and `·V`, and
+//! [`softmax_prefill`] does the scale, mask and softmax between them in one pass in place:
+//! the tensor path allocated a scores-sized tensor for each (at 512 tokens, 9.4 MB per layer
+//! each, with their page faults) and was ~30% of a prefill's time.
 
 // The kernels index several arrays by the same counters on purpose (register blocks).
 #![allow(clippy::needless_range_loop)]
@@ -526,6 +531,123 @@ pub(crate) fn attend_one(
         }
     }
     Tensor::from_vec(out, (b, 1, nh * hd), q.device())
+}
+
+/// Whether [`softmax_prefill`] can serve these attention scores: the fast path on, f32 on the
+/// CPU, outside autograd.
+pub(crate) fn prefill_supports(att: &Tensor) -> bool {
+    is_enabled() && !att.track_op() && att.device().is_cpu() && att.dtype() == DType::F32
+}
+
+/// Score rows per work item of [`softmax_prefill`].
+const SOFTMAX_ROWS: usize = 16;
+
+/// The in-place op of [`softmax_prefill`].
+struct PrefillSoftmax<'a> {
+    scale: f32,
+    /// New positions per row (the query rows of one head are `l` consecutive score rows).
+    l: usize,
+    /// Cached positions before them.
+    offset: usize,
+    /// Left padding per batch row (empty: none).
+    pad: &'a [usize],
+}
+
+impl candle_core::InplaceOp1 for PrefillSoftmax<'_> {
+    fn name(&self) -> &'static str {
+        "envace-prefill-softmax"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &Layout) -> Result<()> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("prefill softmax: f32 scores only");
+        };
+        let (Some((start, end)), &[_, h, rows, s]) = (layout.contiguous_offsets(), layout.dims())
+        else {
+            candle_core::bail!("prefill softmax: contiguous (b, heads, rows, s) scores only");
+        };
+        if s == 0 || rows % self.l != 0 || self.offset + self.l != s {
+            candle_core::bail!(
+                "prefill softmax: scores {:?} for {} new positions after {}",
+                layout.dims(),
+                self.l,
+                self.offset
+            );
+        }
+        let x = &mut data[start..end];
+        let serial = x.len() < PARALLEL_MIN_WORK;
+        let per_batch_row = h * rows;
+        let chunks: Vec<Mutex<&mut [f32]>> =
+            x.chunks_mut(SOFTMAX_ROWS * s).map(Mutex::new).collect();
+        let item = |c: usize| {
+            let Ok(mut block) = chunks[c].lock() else {
+                return;
+            };
+            for (k, row) in block.chunks_exact_mut(s).enumerate() {
+                let at = c * SOFTMAX_ROWS + k;
+                let (b, i) = (at / per_batch_row, at % per_batch_row % self.l);
+                let pad = self.pad.get(b).copied().unwrap_or(0);
+                softmax_causal_row(row, self.offset + i + 1, pad, self.scale);
+            }
+        };
+        let n_items = chunks.len();
+        crate::runtime::par::for_each_index(n_items, serial, item);
+        Ok(())
+    }
+}
+
+/// One query's scores in place: `x · scale` with −1e9 added on the `pad` left-padding keys,
+/// softmax over the first `valid` keys (the causal window), zeros after them (where the tensor
+/// path's −inf mask gives exactly 0). Exponentials by `wide`'s `exp`, as [`attend_one`]'s.
+fn softmax_causal_row(x: &mut [f32], valid: usize, pad: usize, scale: f32) {
+    let valid = valid.min(x.len());
+    let (head, rest) = x.split_at_mut(valid);
+    rest.fill(0.0);
+    for (j, v) in head.iter_mut().enumerate() {
+        *v = *v * scale + if j < pad { PAD_SCORE } else { 0.0 };
+    }
+    let max = head.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let m = f32x8::splat(max);
+    let mut sum = f32x8::ZERO;
+    let (chunks, tail) = head.as_chunks_mut::<LANES>();
+    for c in chunks.iter_mut() {
+        let e = (f32x8::from(*c) - m).exp();
+        sum += e;
+        *c = e.to_array();
+    }
+    // The tail through the same vector exp (padded lanes are dropped).
+    let mut last = [f32::NEG_INFINITY; LANES];
+    last[..tail.len()].copy_from_slice(tail);
+    let e = (f32x8::from(last) - m).exp().to_array();
+    let n = tail.len();
+    tail.copy_from_slice(&e[..n]);
+    let total = sum.to_array().iter().sum::<f32>() + e[..n].iter().sum::<f32>();
+    let inv = 1.0 / total;
+    for v in head.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Prefill attention probabilities in place: `att` holds the raw scores `q·kᵀ` (b, kv heads,
+/// groups · l, s) of `l` new positions per row after `offset` cached ones (row `g·l + i` is
+/// query position `offset + i`; s = offset + l). Applies the scale, the decoder's mask (causal,
+/// −1e9 on `pad` left padding: [`build_mask`](super::decoder)'s values) and the softmax in one
+/// pass over the scores, where the tensor path allocated and filled a scores-sized tensor for
+/// each of the three (most of a 512-token prefill's time outside the matmuls, page faults
+/// included).
+pub(crate) fn softmax_prefill(
+    att: &Tensor,
+    scale: f32,
+    l: usize,
+    offset: usize,
+    pad: &[usize],
+) -> Result<()> {
+    att.inplace_op1(&PrefillSoftmax {
+        scale,
+        l,
+        offset,
+        pad,
+    })
 }
 
 /// Multiply-adds below which a step runs on the calling thread (the pool's wake-up and barrier
