@@ -482,4 +482,29 @@ fn check_decode_steps(p: &Path) {
         m_fast <= 1.25 * m_slow,
         "mean: fast path {m_fast} vs tensor path {m_slow} from the f32 reference"
     );
+    // Prefill without the f32 copies: one forward over all 24 positions runs the tiles as a
+    // quantized GEMM (every row in passes of a few per tile). Its logits must be as close to
+    // the reference as the tensor path's decode steps (activation rounding again: no closer
+    // comparison holds, not even with the fast decode steps of the same tiles).
+    let prefill: Vec<Vec<f32>> = {
+        let ids = Tensor::from_vec(row.clone(), (1, row.len()), &Device::Cpu).unwrap();
+        let mut cache = dec.new_cache();
+        let all = dec
+            .forward(&ids, &mut cache, Pass::Infer, LogitsAt::All)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        all[4..].to_vec()
+    };
+    let (e_pre, m_pre) = (
+        max_diff(&prefill, &reference),
+        mean_diff(&prefill, &reference),
+    );
+    eprintln!("prefill on the tiles vs the f32 reference: max {e_pre} mean {m_pre:.4}");
+    assert!(
+        e_pre <= 1.25 * e_slow && m_pre <= 1.25 * m_slow,
+        "tile prefill max {e_pre} mean {m_pre} vs tensor path {e_slow} / {m_slow}"
+    );
 }

@@ -120,14 +120,16 @@ fn q_part(w: &Weight) -> Option<((usize, usize), &Arc<QMatMul>)> {
     }
 }
 
-/// Whether the tiled kernels take a product with `x2` (rows, in): a few rows of f32 inference
-/// input on the CPU.
+/// Whether the tiled kernels take a product with `x2` (rows, in): f32 inference input on the
+/// CPU. Callers ask only where no dense copy serves the rows (decode steps; prefill of a model
+/// loaded without f32 copies), so many rows here are a prefill: one pass per tile over them,
+/// where candle's quantized kernels read every weight again for each row.
 fn tiles_take(x2: &Tensor) -> Result<bool> {
     Ok(super::infer::is_enabled()
         && !x2.track_op()
         && x2.device().is_cpu()
         && x2.dtype() == DType::F32
-        && x2.dim(0)? <= super::quant_tiles::MAX_ROWS)
+        && x2.dim(0)? > 0)
 }
 
 /// Rows above which a quantized projection uses its dense copy: candle's quantized matmul

@@ -58,11 +58,15 @@ pub struct GgufOptions {
 /// Environment switch that turns the tiled decode kernels off.
 pub const NO_TILES_ENV: &str = "ENVACE_NO_TILES";
 
+/// Environment switch that drops the f32 prefill copies (prefill then runs on the tiles, or on
+/// candle's quantized kernels): A/B runs, and machines short of memory.
+pub const NO_DENSE_PREFILL_ENV: &str = "ENVACE_NO_DENSE_PREFILL";
+
 impl Default for GgufOptions {
     fn default() -> Self {
         Self {
             requantize: true,
-            dense_prefill: true,
+            dense_prefill: std::env::var_os(NO_DENSE_PREFILL_ENV).is_none(),
             tiles: std::env::var_os(NO_TILES_ENV).is_none(),
         }
     }

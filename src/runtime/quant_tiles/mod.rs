@@ -798,13 +798,14 @@ impl Tiles {
         self.simd.isa()
     }
 
-    /// `x · Wᵀ` for `x` (rows ≤ [`MAX_ROWS`], in) f32 on the CPU: (rows, out). Tiles are split
-    /// over candle's thread pool.
+    /// `x · Wᵀ` for `x` (rows, in) f32 on the CPU: (rows, out). Tiles are split over the
+    /// thread pool; each tile runs every row in passes of a few (a prefill of many rows reads
+    /// the tile's weights from cache after its first pass: a quantized GEMM, no f32 copy).
     pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
         let (rows, inp) = x.dims2()?;
-        if inp != self.inp || rows == 0 || rows > MAX_ROWS {
+        if inp != self.inp || rows == 0 {
             candle_core::bail!(
-                "tiled quantized matmul: input {:?} against a ({}, {}) weight (at most {MAX_ROWS} rows)",
+                "tiled quantized matmul: input {:?} against a ({}, {}) weight",
                 x.dims(),
                 self.out,
                 self.inp
@@ -820,7 +821,14 @@ impl Tiles {
             let chunks: Vec<Mutex<&mut [f32]>> =
                 yt.chunks_mut(rows * TILE).map(Mutex::new).collect();
             let item = |t: usize| {
-                let mut acc = [[0f32; TILE]; MAX_ROWS];
+                let mut few = [[0f32; TILE]; MAX_ROWS];
+                let mut many = Vec::new();
+                let acc: &mut [[f32; TILE]] = if rows <= MAX_ROWS {
+                    &mut few[..rows]
+                } else {
+                    many.resize(rows, [0f32; TILE]);
+                    &mut many
+                };
                 // The run holding tile `t`, and the tile's place in it.
                 let (mut kind, mut i) = (&self.runs[0], t);
                 for run in &self.runs {
@@ -830,9 +838,9 @@ impl Tiles {
                     }
                     i -= run.tiles(kb);
                 }
-                self.tile(kind, i * kb..(i + 1) * kb, &acts, &mut acc[..rows]);
+                self.tile(kind, i * kb..(i + 1) * kb, &acts, acc);
                 if let Ok(mut dst) = chunks[t].lock() {
-                    for (r, a) in acc[..rows].iter().enumerate() {
+                    for (r, a) in acc.iter().enumerate() {
                         dst[r * TILE..(r + 1) * TILE].copy_from_slice(a);
                     }
                 }
