@@ -196,6 +196,28 @@ fn silu_mul_forward_and_grads_match_silu_times_up() {
     }
 }
 
+/// The vector path's `exp` gives 0 where the true value overflows: the gate must still be
+/// silu's value there (≈ 0 for large negative inputs, the input for large positive ones).
+#[test]
+fn silu_mul_holds_at_extreme_gates() {
+    let g: Vec<f32> = (0..64).map(|i| (i as f32 - 32.0) * 7.5).collect();
+    let gt = Tensor::from_vec(g.clone(), (2, 32), &Device::Cpu).unwrap();
+    let ut = Tensor::ones((2, 32), DType::F32, &Device::Cpu).unwrap();
+    let got = fused::silu_mul(&gt, &ut)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for (x, y) in g.iter().zip(&got) {
+        let want = x / (1.0 + (-x).exp());
+        assert!(
+            (want - y).abs() <= 1e-5 * (1.0 + want.abs()),
+            "silu({x}) = {y}, want {want}"
+        );
+    }
+}
+
 #[test]
 fn token_logprobs_and_entropy_match_log_softmax_and_gather() {
     for (b, t, v, seed) in [(2, 5, 11, 10), (8, 63, 512, 11)] {

@@ -389,14 +389,9 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    /// The gate as one fused pass (inference and the autograd training pass alike; candle's
+    /// `silu` then `*` allocated and filled two gate-sized tensors).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gu = Linear::forward_many(&[&self.gate_proj, &self.up_proj], x)?;
-        let g = candle_nn::ops::silu(&gu[0])?;
-        self.down_proj.forward(&(g * &gu[1])?)
-    }
-
-    /// [`Mlp::forward`] for [`Pass::Train`]: the gate as one fused op with its own backward.
-    fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
         let gu = Linear::forward_many(&[&self.gate_proj, &self.up_proj], x)?;
         self.down_proj
             .forward(&super::fused::silu_mul(&gu[0], &gu[1])?)
@@ -654,10 +649,7 @@ impl Decoder {
             x = (r + y)?;
             let r = x.clone();
             let y = layer.post_attention_layernorm.forward(&x, pass)?;
-            let y = match pass {
-                Pass::Infer => layer.mlp.forward(&y)?,
-                Pass::Train => layer.mlp.forward_train(&y)?,
-            };
+            let y = layer.mlp.forward(&y)?;
             x = (r + y)?;
         }
         cache.advance(l);
