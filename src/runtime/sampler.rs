@@ -4,6 +4,7 @@
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use wide::f32x8;
 
 use super::backend::SamplingParams;
 
@@ -14,18 +15,80 @@ pub struct Sampler {
     top_k: Option<usize>,
     top_p: Option<f64>,
     rng: StdRng,
+    /// Per-token weights and their chunk sums, reused from draw to draw.
+    weights: Vec<f32>,
+    sums: Vec<f64>,
 }
 
-/// log-softmax of one entry.
+/// Entries per partial sum of [`exp_weights`] (the draw walks these sums first).
+const CHUNK: usize = 64;
+
+/// The largest entry (−∞ for none).
+fn max_of(xs: &[f32]) -> f32 {
+    let (c, tail) = xs.as_chunks::<8>();
+    let m = c.iter().fold(f32x8::splat(f32::NEG_INFINITY), |m, x| {
+        m.max(f32x8::from(*x))
+    });
+    let m = m.to_array().into_iter().fold(f32::NEG_INFINITY, f32::max);
+    tail.iter().copied().fold(m, f32::max)
+}
+
+/// `w[i] = exp((x[i] − max) · inv_t)` in f32 (vector `exp`, as the attention softmax; a
+/// non-finite logit gets weight 0), and the sums of every [`CHUNK`] weights in f64, each in
+/// index order. Returns the total.
+fn exp_weights(x: &[f32], max: f32, inv_t: f32, w: &mut Vec<f32>, sums: &mut Vec<f64>) -> f64 {
+    w.clear();
+    w.resize(x.len(), 0.0);
+    sums.clear();
+    let (m, it) = (f32x8::splat(max), f32x8::splat(inv_t));
+    for (xc, wc) in x.chunks(CHUNK).zip(w.chunks_mut(CHUNK)) {
+        let (xv, xt) = xc.as_chunks::<8>();
+        let (wv, wt) = wc.as_chunks_mut::<8>();
+        for (x8, w8) in xv.iter().zip(wv.iter_mut()) {
+            let v = f32x8::from(*x8);
+            let e = ((v - m) * it).exp();
+            // wide's exp is 0 for non-finite input; the mask only documents it.
+            *w8 = v.is_finite().blend(e, f32x8::ZERO).to_array();
+        }
+        for (x1, w1) in xt.iter().zip(wt.iter_mut()) {
+            *w1 = exp1(*x1, max, inv_t);
+        }
+        sums.push(wc.iter().map(|&v| f64::from(v)).sum());
+    }
+    sums.iter().sum()
+}
+
+/// log-softmax of one entry: [`exp_weights`]' total at temperature 1 without storing the
+/// weights (the same per-chunk sums, so the same value as a draw's normaliser).
 fn logprob_of(logits: &[f32], idx: usize) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = logits
-        .iter()
-        .map(|&x| ((x - max) as f64).exp())
-        .sum::<f64>()
-        .ln() as f32
-        + max;
-    logits[idx] - lse
+    let max = max_of(logits);
+    let m = f32x8::splat(max);
+    let mut total = 0f64;
+    let mut buf = [0f32; CHUNK];
+    for xc in logits.chunks(CHUNK) {
+        let w = &mut buf[..xc.len()];
+        let (xv, xt) = xc.as_chunks::<8>();
+        let (wv, wt) = w.as_chunks_mut::<8>();
+        for (x8, w8) in xv.iter().zip(wv.iter_mut()) {
+            let v = f32x8::from(*x8);
+            *w8 = v.is_finite().blend((v - m).exp(), f32x8::ZERO).to_array();
+        }
+        for (x1, w1) in xt.iter().zip(wt.iter_mut()) {
+            *w1 = exp1(*x1, max, 1.0);
+        }
+        total += w.iter().map(|&v| f64::from(v)).sum::<f64>();
+    }
+    logits[idx] - (total.ln() as f32 + max)
+}
+
+/// One weight of [`exp_weights`]' tail, by the same vector `exp`.
+fn exp1(x: f32, max: f32, inv_t: f32) -> f32 {
+    if !x.is_finite() {
+        return 0.0;
+    }
+    let mut lane = [f32::NEG_INFINITY; 8];
+    lane[0] = (x - max) * inv_t;
+    f32x8::from(lane).exp().to_array()[0]
 }
 
 impl Sampler {
@@ -35,6 +98,8 @@ impl Sampler {
             top_k: params.top_k,
             top_p: params.top_p,
             rng: StdRng::seed_from_u64(seed),
+            weights: Vec::new(),
+            sums: Vec::new(),
         }
     }
 
@@ -47,12 +112,55 @@ impl Sampler {
         if logits.is_empty() {
             return (0, 0.0);
         }
-        let idx = if self.is_greedy() {
-            argmax(logits)
-        } else {
-            self.sample_index(logits)
-        };
+        if self.is_greedy() {
+            let idx = argmax(logits);
+            return (idx as u32, logprob_of(logits, idx));
+        }
+        if self.top_k.is_none() && self.top_p.is_none() {
+            return self.sample_plain(logits);
+        }
+        let idx = self.sample_index(logits);
         (idx as u32, logprob_of(logits, idx))
+    }
+
+    /// Temperature alone (rehearsal branches, RL rollouts): one pass of weights, then the draw
+    /// walks the chunk sums and one chunk in index order (a fixed order: same seed, same
+    /// token). At temperature 1 the weights' total is also the log-probability's normaliser.
+    fn sample_plain(&mut self, logits: &[f32]) -> (u32, f32) {
+        let max = max_of(logits);
+        let inv_t = (1.0 / self.temperature) as f32;
+        let total = exp_weights(logits, max, inv_t, &mut self.weights, &mut self.sums);
+        if !(total > 0.0 && total.is_finite()) {
+            let idx = argmax(logits);
+            return (idx as u32, logprob_of(logits, idx));
+        }
+        let mut r = self.rng.random::<f64>() * total;
+        let mut idx = None;
+        'walk: for (c, &sum) in self.sums.iter().enumerate() {
+            if r > sum {
+                r -= sum;
+                continue;
+            }
+            for (i, &w) in self.weights[c * CHUNK..].iter().take(CHUNK).enumerate() {
+                r -= f64::from(w);
+                if w > 0.0 {
+                    idx = Some(c * CHUNK + i);
+                    if r <= 0.0 {
+                        break 'walk;
+                    }
+                }
+            }
+        }
+        // Rounding can leave a sliver of `r`: the last token with weight then.
+        let idx = idx
+            .or_else(|| self.weights.iter().rposition(|&w| w > 0.0))
+            .unwrap_or_else(|| argmax(logits));
+        let lp = if inv_t == 1.0 {
+            logits[idx] - (total.ln() as f32 + max)
+        } else {
+            logprob_of(logits, idx)
+        };
+        (idx as u32, lp)
     }
 
     fn sample_index(&mut self, logits: &[f32]) -> usize {
@@ -259,6 +367,67 @@ mod tests {
                 let want = full(&params, &logits, &mut rng);
                 assert_eq!(got, want, "{params:?}");
             }
+        }
+    }
+
+    /// Temperature alone: draws in index order over one pass of f32 weights. Their frequencies
+    /// follow softmax(x / t), masked (−∞) tokens never come, the reported log-probability is
+    /// the untempered log-softmax (f64 reference), and chunk boundaries and the tail of a
+    /// vocabulary that is no multiple of 8 change nothing.
+    #[test]
+    fn plain_temperature_draws_follow_the_softmax() {
+        let n = 3_001;
+        let mut logits: Vec<f32> = (0..n).map(|i| -8.0 + (i % 17) as f32 * 0.01).collect();
+        for (k, i) in [5usize, 63, 64, 1_000, 2_999, 3_000]
+            .into_iter()
+            .enumerate()
+        {
+            logits[i] = 2.0 + k as f32 * 0.3;
+        }
+        for i in (100..n).step_by(7) {
+            logits[i] = f32::NEG_INFINITY;
+        }
+        let t = 0.7;
+        let p = SamplingParams {
+            temperature: t,
+            ..Default::default()
+        };
+        let want = |l: &[f32], i: usize, t: f64| -> f64 {
+            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f64 = l.iter().map(|&x| ((f64::from(x - max)) / t).exp()).sum();
+            ((f64::from(l[i] - max)) / t).exp() / z
+        };
+        let mut s = Sampler::new(&p, 5);
+        let draws = 20_000;
+        let mut count = vec![0usize; n];
+        for _ in 0..draws {
+            let (i, lp) = s.sample(&logits);
+            let i = i as usize;
+            count[i] += 1;
+            assert!(logits[i].is_finite(), "drew masked token {i}");
+            assert!((f64::from(lp) - want(&logits, i, 1.0).ln()).abs() < 1e-5);
+        }
+        for i in [5usize, 63, 64, 1_000, 2_999, 3_000] {
+            let p = want(&logits, i, t);
+            let sd = (p * (1.0 - p) / draws as f64).sqrt();
+            let f = count[i] as f64 / draws as f64;
+            assert!(
+                (f - p).abs() < 5.0 * sd + 1e-4,
+                "token {i}: {f} drawn vs p {p}"
+            );
+        }
+        // At temperature 1 the normaliser comes from the draw's own weights.
+        let mut s = Sampler::new(
+            &SamplingParams {
+                temperature: 1.0,
+                ..Default::default()
+            },
+            9,
+        );
+        for _ in 0..200 {
+            let (i, lp) = s.sample(&logits);
+            let w = want(&logits, i as usize, 1.0).ln();
+            assert!((f64::from(lp) - w).abs() < 1e-5, "{lp} vs {w}");
         }
     }
 
