@@ -66,6 +66,7 @@ use std::sync::Mutex;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
+use wide::{CmpGe, CmpLe, f32x8, i32x8};
 
 type Result<T> = candle_core::Result<T>;
 
@@ -964,19 +965,28 @@ impl Acts {
         let mut d = Vec::with_capacity(n);
         let mut s = Vec::with_capacity(n);
         for chunk in x.chunks_exact(BLOCK) {
-            let amax = chunk.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            // Eight lanes at a time; `round` (half away from zero) as truncation plus one step
+            // away where the exact remainder is at least a half: the same integers.
+            let (c, _) = chunk.as_chunks::<8>();
+            let v: [f32x8; BLOCK / 8] = std::array::from_fn(|i| f32x8::from(c[i]));
+            let amax = v.iter().fold(f32x8::ZERO, |a, x| a.max(x.abs()));
+            let amax = amax.to_array().into_iter().fold(0f32, f32::max);
             let scale = amax / 127.0;
-            let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            let id = f32x8::splat(if scale != 0.0 { 1.0 / scale } else { 0.0 });
+            let mut qi = [0i32; BLOCK];
+            for (i, x) in v.iter().enumerate() {
+                let y = *x * id;
+                let t = y.trunc_int();
+                let frac = y - t.round_float();
+                let up: i32x8 = bytemuck::cast(frac.cmp_ge(f32x8::splat(0.5)));
+                let down: i32x8 = bytemuck::cast(frac.cmp_le(f32x8::splat(-0.5)));
+                // Masks are −1 where set.
+                qi[8 * i..8 * i + 8].copy_from_slice(&(t - up + down).to_array());
+            }
+            let sum: i32 = qi.iter().sum();
             let mut groups = [0i32; 8];
-            let mut sum = 0i32;
-            for (g, four) in chunk.chunks_exact(4).enumerate() {
-                let mut bytes = [0u8; 4];
-                for j in 0..4 {
-                    let v = (four[j] * id).round() as i8;
-                    sum += v as i32;
-                    bytes[j] = v as u8;
-                }
-                groups[g] = i32::from_le_bytes(bytes);
+            for (g, four) in qi.chunks_exact(4).enumerate() {
+                groups[g] = i32::from_le_bytes(std::array::from_fn(|j| four[j] as i8 as u8));
             }
             let scale = f16::from_f32(scale).to_f32();
             q.push(groups);

@@ -409,3 +409,53 @@ fn refuses_other_types_and_wrong_inputs() {
         assert!(t.matmul(&x).is_err());
     }
 }
+
+/// The activations' quantization is candle's `BlockQ8_0::from_float` bit for bit (the scales
+/// through f16, the values rounded half away from zero): random blocks, and a block whose
+/// scale is 1 with values at and beside the halves.
+#[test]
+fn activations_quantize_like_candles_q8_0() {
+    let mut x: Vec<f32> = Tensor::randn(0f32, 3.0, (1, 32 * 40), &Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let halves = [
+        127.0,
+        -0.5,
+        0.5,
+        1.5,
+        -1.5,
+        2.5,
+        -2.5,
+        126.5,
+        -126.5,
+        0.49999997,
+        -0.49999997,
+        0.50000006,
+        3.4999998,
+        -3.5000002,
+        0.0,
+        -0.0,
+    ];
+    let mut crafted: Vec<f32> = halves.iter().chain(halves.iter()).copied().collect();
+    crafted[16] = 64.5;
+    x.extend(&crafted);
+    x.extend([0f32; 32]);
+    let t = Tensor::from_vec(x.clone(), (1, x.len()), &Device::Cpu).unwrap();
+    let theirs = QTensor::quantize(&t, GgmlDType::Q8_0)
+        .unwrap()
+        .data()
+        .unwrap()
+        .to_vec();
+    let ours = Acts::quantize(&x);
+    for (b, block) in theirs.chunks_exact(34).enumerate() {
+        let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        assert_eq!(ours.d[b].to_bits(), d.to_bits(), "block {b} scale");
+        let q: Vec<u8> = ours.q[b].iter().flat_map(|g| g.to_le_bytes()).collect();
+        assert_eq!(q, &block[2..], "block {b} values");
+        let sum: i32 = block[2..].iter().map(|&v| i32::from(v as i8)).sum();
+        assert_eq!(ours.s[b], d * sum as f32, "block {b} sum");
+    }
+}
