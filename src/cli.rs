@@ -569,8 +569,10 @@ pub struct TrainArgs {
     /// Padded tokens per forward/backward micro-batch (the gradient is accumulated over them):
     /// activation memory grows with it and with the model (a SmolLM2-135M LoRA step, group 8:
     /// 10.9 GB peak at 4096, 4.7 GB at 1024, same loss and gradient, 1.3× the tokens/s).
-    #[arg(long, default_value_t = 4096, value_name = "N")]
-    pub micro_batch_tokens: usize,
+    /// Default: sized from the model for ~3 GB of activations (the bundled model 4096,
+    /// SmolLM2-135M 1024).
+    #[arg(long, value_name = "N")]
+    pub micro_batch_tokens: Option<usize>,
     /// Train on the first N train tasks of each domain only.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,

@@ -574,7 +574,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     if a.epochs == 0 {
         bail!("--epochs 0: at least one optimisation pass per step");
     }
-    if a.micro_batch_tokens == 0 {
+    if a.micro_batch_tokens == Some(0) {
         bail!("--micro-batch-tokens 0: a micro-batch holds at least one row");
     }
     let device = candle_core::Device::Cpu;

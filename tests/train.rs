@@ -509,7 +509,7 @@ fn small_micro_batches_accumulate_to_the_same_step() {
             group: 4,
             mode: ModeChoice::Real,
             lr: 1e-3,
-            micro_batch_tokens,
+            micro_batch_tokens: Some(micro_batch_tokens),
             ..Default::default()
         };
         let sink = grpo_on_bundled(&cfg, out.path()).unwrap();

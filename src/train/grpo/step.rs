@@ -364,7 +364,10 @@ impl Learner<'_> {
                 pass.trained_tokens += n as usize;
                 acc = Some(backward(&(nll * cfg.grounding_coef)?)?);
             }
-            for rows in trained.micro_batches(cfg.micro_batch_tokens) {
+            let micro = cfg
+                .micro_batch_tokens
+                .unwrap_or_else(|| super::micro_batch_tokens_for(&self.model.decoder.cfg));
+            for rows in trained.micro_batches(micro) {
                 let toks: usize = rows
                     .iter()
                     .map(|r| r.row.prompt_ids.len() + r.row.response_ids.len())
