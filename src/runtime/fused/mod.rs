@@ -96,6 +96,7 @@ pub use norm::rms_norm;
 pub use rope::rope;
 pub(crate) use rope::rotate_row;
 pub use softmax::softmax_last_dim;
+pub(crate) use swiglu::sigmoid8;
 pub use swiglu::silu_mul;
 
 // ---------------------------------------------------------------------------------------------

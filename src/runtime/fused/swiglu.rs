@@ -12,7 +12,7 @@ fn sigmoid(x: f32) -> f32 {
 /// σ(x) for eight values through `wide`'s vector `exp` (which gives 0 instead of ∞ above 87.3:
 /// its input is capped at 80, where σ is below 2e-35 either way).
 #[inline]
-fn sigmoid8(x: wide::f32x8) -> wide::f32x8 {
+pub(crate) fn sigmoid8(x: wide::f32x8) -> wide::f32x8 {
     let one = wide::f32x8::ONE;
     one / (one + (-x).fast_min(wide::f32x8::splat(80.0)).exp())
 }
