@@ -343,6 +343,18 @@ fn decode_steps_match_on_a_gguf_whose_qkv_types_differ() {
     check_decode_steps(&mixed);
 }
 
+/// Logits of every position of `row` from one forward over all of it: (len, vocab).
+fn whole_forward(dec: &Decoder, row: &[u32]) -> Vec<Vec<f32>> {
+    let ids = Tensor::from_vec(row.to_vec(), (1, row.len()), &Device::Cpu).unwrap();
+    let mut cache = dec.new_cache();
+    dec.forward(&ids, &mut cache, Pass::Infer, LogitsAt::All)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap()
+}
+
 /// Token-by-token decoding of a GGUF against one whole-sequence forward in f32.
 fn check_decode_steps(p: &Path) {
     // Without the f32 prefill copies the tensor path runs candle's kernels on the projections
@@ -361,18 +373,7 @@ fn check_decode_steps(p: &Path) {
     // forwards of more than 8 rows): the fast path must be as close to it as the tensor path
     // is (within 25%), and pick the same greedy token at every step.
     let (dense, _) = load_gguf_with(p, &Device::Cpu, GgufOptions::default()).unwrap();
-    let reference: Vec<Vec<f32>> = {
-        let ids = Tensor::from_vec(row.clone(), (1, row.len()), &Device::Cpu).unwrap();
-        let mut cache = dense.new_cache();
-        let all = dense
-            .forward(&ids, &mut cache, Pass::Infer, LogitsAt::All)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        all[4..].to_vec()
-    };
+    let reference = whole_forward(&dense, &row)[4..].to_vec();
     let steps = |on: bool| -> Vec<Vec<f32>> {
         envace::runtime::infer::set_enabled(on);
         let mut cache = dec.new_cache();
@@ -486,18 +487,7 @@ fn check_decode_steps(p: &Path) {
     // quantized GEMM (every row in passes of a few per tile). Its logits must be as close to
     // the reference as the tensor path's decode steps (activation rounding again: no closer
     // comparison holds, not even with the fast decode steps of the same tiles).
-    let prefill: Vec<Vec<f32>> = {
-        let ids = Tensor::from_vec(row.clone(), (1, row.len()), &Device::Cpu).unwrap();
-        let mut cache = dec.new_cache();
-        let all = dec
-            .forward(&ids, &mut cache, Pass::Infer, LogitsAt::All)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        all[4..].to_vec()
-    };
+    let prefill = whole_forward(&dec, &row)[4..].to_vec();
     let (e_pre, m_pre) = (
         max_diff(&prefill, &reference),
         mean_diff(&prefill, &reference),
