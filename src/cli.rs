@@ -147,6 +147,10 @@ pub struct ModeArgs {
     /// Actor temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Constrain every tool call's name to the tools the environment lists (token by token,
+    /// local models only).
+    #[arg(long)]
+    pub constrain_tools: bool,
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
     /// Private Rehearsal memory: compact (one line per branch), full (every step), json.

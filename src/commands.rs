@@ -174,6 +174,7 @@ pub fn episode_config(m: &ModeArgs) -> Result<EpisodeConfig> {
         seed: m.seed,
         max_turns: m.max_turns,
         actor_temperature: m.temperature,
+        constrain_tool_names: m.constrain_tools,
         ..EpisodeConfig::new(m.mode)
     }
     .with_rehearsal(rehearsal)?;

@@ -301,6 +301,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
         max_tokens: a.max_tokens,
         stop: a.stop.clone(),
+        tool_names: Vec::new(),
     };
     let cancel = CancelToken::new();
     let t = Instant::now();

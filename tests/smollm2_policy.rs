@@ -56,3 +56,84 @@ fn the_shipped_smollm2_adapter_solves_a_test_task_in_shadow_mode() {
     );
     assert_eq!(s.header.model.tool_rendering.as_deref(), Some("template"));
 }
+
+/// Constrained decoding (`SamplingParams::tool_names`) on the shipped policy: asked to create a
+/// file with file tools it never saw, it writes a name the list does not have; constrained, every
+/// call names a listed tool, and prose and arguments stay its own.
+#[test]
+fn constrained_tool_names_keep_the_policys_calls_on_the_list() {
+    use envace::engine::parse::parse_actor;
+    use envace::message::Message;
+    use envace::runtime::{CancelToken, DeviceChoice, LanguageModel, LocalModel, SamplingParams};
+    let mut m = LocalModel::load(&root().join("models/smollm2-envace"), DeviceChoice::Cpu).unwrap();
+    let names = [
+        "read_text_file",
+        "write_file",
+        "list_directory",
+        "move_file",
+    ];
+    let tools: Vec<serde_json::Value> = names
+        .iter()
+        .map(|n| {
+            serde_json::json!({"type": "function", "function": {"name": n, "description": "",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                "required": ["path"]}}})
+        })
+        .collect();
+    let prompt = m
+        .render_chat(
+            &[Message::user(
+                "Create a file todo.txt with the content: call the bank",
+            )],
+            &tools,
+            true,
+            false,
+        )
+        .unwrap();
+    let ids = m.encode(&prompt).unwrap();
+    let free = SamplingParams {
+        max_tokens: 96,
+        ..SamplingParams::default()
+    };
+    let called = |text: &str| -> Vec<String> {
+        parse_actor(text)
+            .calls()
+            .iter()
+            .map(|c| c.name.clone())
+            .collect()
+    };
+    let g = m
+        .generate(&ids, 1, &free, None, &CancelToken::new())
+        .unwrap();
+    let unguarded = called(&g[0].text);
+    assert!(
+        unguarded.iter().any(|n| !names.contains(&n.as_str())),
+        "the free policy was expected to invent a name here: {}",
+        g[0].text
+    );
+    let guarded = SamplingParams {
+        tool_names: names.iter().map(|s| s.to_string()).collect(),
+        ..free
+    };
+    // Greedy and sampled branches alike.
+    for p in [
+        guarded.clone(),
+        SamplingParams {
+            temperature: 1.0,
+            seed: 7,
+            ..guarded.clone()
+        },
+    ] {
+        let g = m.generate(&ids, 4, &p, None, &CancelToken::new()).unwrap();
+        for b in &g {
+            let calls = called(&b.text);
+            assert!(!calls.is_empty(), "{}", b.text);
+            assert!(
+                calls.iter().all(|n| names.contains(&n.as_str())),
+                "{calls:?} in {}",
+                b.text
+            );
+            assert!(b.logprobs.iter().all(|l| l.is_finite()), "{:?}", b.logprobs);
+        }
+    }
+}

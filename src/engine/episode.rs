@@ -101,6 +101,9 @@ pub struct EpisodeConfig {
     pub sim_failure: SimFailurePolicy,
     /// Rehearse mode: calls that exactly match a recorded example get the recorded response.
     pub recall_recorded: bool,
+    /// The actor's tool-call names can only be listed tools (constrained decoding).
+    #[serde(default)]
+    pub constrain_tool_names: bool,
 }
 
 impl Default for EpisodeConfig {
@@ -126,6 +129,7 @@ impl EpisodeConfig {
             simulator_temperature: engine.simulator_sampling.temperature,
             sim_failure: engine.sim_failure,
             recall_recorded: engine.recall_recorded,
+            constrain_tool_names: engine.constrain_tool_names,
         }
     }
 
@@ -209,6 +213,7 @@ impl EpisodeConfig {
             max_turns: self.max_turns,
             sim_failure: self.sim_failure,
             recall_recorded: self.recall_recorded,
+            constrain_tool_names: self.constrain_tool_names,
             ..EngineConfig::default()
         };
         cfg.actor_sampling.temperature = self.actor_temperature;
@@ -233,6 +238,7 @@ impl EpisodeConfig {
             simulator_temperature: cfg.simulator_sampling.temperature,
             sim_failure: cfg.sim_failure,
             recall_recorded: cfg.recall_recorded,
+            constrain_tool_names: cfg.constrain_tool_names,
         }
     }
 }

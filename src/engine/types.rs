@@ -292,6 +292,10 @@ pub struct EngineConfig {
     /// rewards the actor for answers that ignore what the tool said.
     #[serde(default)]
     pub recall_recorded: bool,
+    /// Actor generations (main line and rehearsal branches) may only name listed tools in a
+    /// call (`SamplingParams::tool_names`).
+    #[serde(default)]
+    pub constrain_tool_names: bool,
 }
 
 impl Default for EngineConfig {
@@ -313,6 +317,7 @@ impl Default for EngineConfig {
             sim_prompt: SimPromptConfig::default(),
             learn_examples_from_real: true,
             recall_recorded: false,
+            constrain_tool_names: false,
         }
     }
 }

@@ -57,6 +57,11 @@ pub struct SamplingParams {
     pub max_tokens: usize,
     /// Generation stops when the decoded response ends with one of these (kept in the text).
     pub stop: Vec<String>,
+    /// When not empty, a tool call's name can only be one of these (see
+    /// [`super::tool_guard`]); a local model enforces it token by token, a remote server
+    /// ignores it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_names: Vec<String>,
 }
 
 impl Default for SamplingParams {
@@ -68,6 +73,7 @@ impl Default for SamplingParams {
             seed: 0,
             max_tokens: 256,
             stop: Vec::new(),
+            tool_names: Vec::new(),
         }
     }
 }

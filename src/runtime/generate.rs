@@ -12,6 +12,7 @@ use super::decoder::{Decoder, LogitsAt, Pass};
 use super::kv_cache::KvCache;
 use super::sampler::Sampler;
 use super::tokenizer::{IncrementalDecoder, Tokenizer};
+use super::tool_guard::ToolNameGuard;
 
 /// What generation needs besides the weights.
 #[derive(Debug, Clone, Copy)]
@@ -248,6 +249,8 @@ fn decode_loop(
     // `active[j]` = index into `rows` of batch row j.
     let mut active: Vec<usize> = (0..rows.len()).collect();
     let mut last_tokens: Vec<u32> = Vec::new();
+    let guard = (!params.tool_names.is_empty())
+        .then(|| ToolNameGuard::new(&params.tool_names, ctx.tokenizer.pieces()));
     while !active.is_empty() {
         if params.max_tokens == 0 {
             for &r in &active {
@@ -258,6 +261,13 @@ fn decode_loop(
         if cancel.is_cancelled() {
             for &r in &active {
                 rows[r].finish.get_or_insert(FinishReason::Cancelled);
+            }
+        }
+        if let Some(g) = &guard {
+            for (j, &r) in active.iter().enumerate() {
+                if rows[r].finish.is_none() {
+                    g.mask(&rows[r].text, &mut logits[j]);
+                }
             }
         }
         let picks = sample_rows(&mut rows, &active, &logits);

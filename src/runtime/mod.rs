@@ -22,6 +22,7 @@ pub mod quant_tiles;
 pub mod sampler;
 pub mod tokenizer;
 pub mod tool_format;
+pub mod tool_guard;
 pub mod train_attention;
 pub mod train_pass;
 

@@ -2,6 +2,7 @@
 //! decoder that streams text without ever splitting a UTF-8 character.
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use super::backend::RuntimeError;
 
@@ -9,6 +10,8 @@ use super::backend::RuntimeError;
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Each token's text on its own, built on first use (for constrained decoding).
+    pieces: OnceLock<Arc<Vec<String>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -23,11 +26,27 @@ impl Tokenizer {
             path: path.display().to_string(),
             message: format!("invalid tokenizer: {e}"),
         })?;
-        Ok(Self { inner })
+        Ok(Self::from_inner(inner))
     }
 
     pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            pieces: OnceLock::new(),
+        }
+    }
+
+    /// The text of every token id decoded on its own (special tokens: empty), computed once.
+    pub fn pieces(&self) -> Arc<Vec<String>> {
+        self.pieces
+            .get_or_init(|| {
+                Arc::new(
+                    (0..self.vocab_size() as u32)
+                        .map(|id| self.decode(&[id]).unwrap_or_default())
+                        .collect(),
+                )
+            })
+            .clone()
     }
 
     pub fn inner(&self) -> &tokenizers::Tokenizer {

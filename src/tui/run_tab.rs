@@ -32,6 +32,9 @@ pub enum Autonomy {
 }
 
 pub const AUTONOMY: [&str; 3] = ["ask irreversible", "ask always", "never ask"];
+/// How tool-call names are decoded: as the model writes them, or constrained to the listed
+/// tools (`--constrain-tools`).
+pub const TOOL_NAMES: [&str; 2] = ["free", "listed"];
 
 /// Where the episode runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +151,7 @@ impl RunTab {
             Field::choice("autonomy", "approval", &AUTONOMY, 0),
             Field::number("seed", "seed", 0.0, (1.0, 0.0, 1e9), 0),
             Field::number("turns", "max turns", 8.0, (1.0, 1.0, 64.0), 0),
+            Field::choice("names", "tool names", &TOOL_NAMES, 0),
         ]);
         Self {
             form,
@@ -204,6 +208,7 @@ impl RunTab {
             approve: ApprovalPolicy::Always,
             seed: self.form.number("seed") as u64,
             max_turns: self.form.number("turns") as u32,
+            constrain_tool_names: self.form.choice("names") == TOOL_NAMES[1],
             ..EpisodeConfig::new(mode)
         }
         .with_gate(gate)

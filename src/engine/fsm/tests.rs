@@ -2074,3 +2074,43 @@ fn rehearse_mode_recalls_recorded_responses_for_exactly_matching_calls_when_aske
     assert_eq!(r.generates(GenRole::Simulator).len(), 2);
     assert_eq!(r.outcome().stats.recalled_calls, 0);
 }
+
+#[test]
+fn constrained_tool_names_reach_every_actor_request_and_no_simulator_request() {
+    let transfer = call_text("transfer", json!({"amount": 5}));
+    let mode = with_rehearsal(
+        Mode::Real,
+        pr(2, RehearsalStrategy::Parallel, RehearsalDepth::Turns(1)),
+    );
+    let script = || {
+        Script::default()
+            .actor_owned(vec![
+                transfer.clone(),
+                transfer.clone(),
+                transfer.clone(),
+                "Paid.".into(),
+            ])
+            .sim(vec![
+                result_text(json!({"ok": true})),
+                result_text(json!({"ok": true})),
+            ])
+    };
+    let mut c = cfg(mode.clone());
+    c.constrain_tool_names = true;
+    let r = run(spec(&["pay 5"]), c, script());
+    let actor = r.generates(GenRole::Actor);
+    assert!(actor.len() >= 3, "proposal, branch step, commit, answer");
+    assert!(actor.iter().any(|g| g.branch.is_some()));
+    for g in &actor {
+        assert_eq!(g.sampling.tool_names, ["get_balance", "transfer"]);
+    }
+    for g in r.generates(GenRole::Simulator) {
+        assert!(g.sampling.tool_names.is_empty());
+    }
+    let r = run(spec(&["pay 5"]), cfg(mode), script());
+    assert!(
+        r.generates(GenRole::Actor)
+            .iter()
+            .all(|g| g.sampling.tool_names.is_empty())
+    );
+}
