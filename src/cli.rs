@@ -449,6 +449,10 @@ pub struct PretrainArgs {
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]
     pub template: envace::train::pretrain::CorpusTemplate,
+    /// More train-split tasks of a kind: KIND=W (repeatable; `pay_if_enough=3` gives three
+    /// times as many, the extra ones fresh instances). Kinds are the tasks' `kind` field.
+    #[arg(long = "kind-weight", value_name = "KIND=W", value_parser = parse_kind_weight)]
+    pub kind_weights: Vec<(String, f64)>,
     /// Stop before this step, the learning-rate schedule still spanning --steps: reproduces a
     /// run that its --minutes budget ended (its trainer_state.json says at which step).
     #[arg(long)]
@@ -701,4 +705,18 @@ impl Default for TuiArgs {
             device: envace::runtime::DeviceChoice::default(),
         }
     }
+}
+
+/// `KIND=W` with W ≥ 0 (`--kind-weight`).
+fn parse_kind_weight(s: &str) -> Result<(String, f64), String> {
+    let (k, w) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected KIND=WEIGHT, e.g. pay_if_enough=3"))?;
+    let w: f64 = w
+        .parse()
+        .map_err(|_| format!("`{s}`: `{w}` is not a number"))?;
+    if k.is_empty() || !w.is_finite() || w < 0.0 {
+        return Err(format!("`{s}`: expected a kind and a weight ≥ 0"));
+    }
+    Ok((k.to_string(), w))
 }

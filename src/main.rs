@@ -229,6 +229,15 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.tool_drills_per_task = a.tool_drills;
     cfg.corpus.tool_drill_style = a.tool_drill_style;
     cfg.corpus.template = a.template;
+    cfg.corpus.kind_weights = a.kind_weights.iter().cloned().collect();
+    let unknown =
+        envace::train::pretrain::unknown_kinds(&envace::env::domains::Domain::ALL, &cfg.corpus);
+    if !unknown.is_empty() {
+        anyhow::bail!(
+            "--kind-weight: no built-in task has kind {} (see a task's `kind` field, e.g. `envace tasks`)",
+            unknown.join(", ")
+        );
+    }
     for (flag, v) in [
         ("--random-entities", a.random_entities),
         ("--random-copy", a.random_copy),

@@ -10,6 +10,8 @@
 //! that is off must not change the random draws of the others (earlier corpora stay the ones
 //! their commands produced).
 
+use std::collections::BTreeMap;
+
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -94,6 +96,12 @@ pub struct CorpusConfig {
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
+    /// More tasks of some kinds (`pay_if_enough` → 3.0: three times as many train-split tasks
+    /// of that kind, the extra ones fresh instances generated past `tasks_per_domain`, every
+    /// one with all its texts). Kinds a model keeps failing get the practice; no task is
+    /// repeated.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kind_weights: BTreeMap<String, f64>,
     pub seed: u64,
 }
 
@@ -131,20 +139,63 @@ impl Default for CorpusConfig {
             tool_drills_per_task: 0.0,
             tool_drill_style: Default::default(),
             template: CorpusTemplate::Compact,
+            kind_weights: BTreeMap::new(),
             seed: 0,
         }
     }
 }
 
-/// The tasks a corpus is built from.
+/// The tasks a corpus is built from: the split's first `tasks_per_domain`, then (train split,
+/// `kind_weights`) fresh ones of the weighted kinds from further along the same sequence.
 fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
     if cfg.tasks_per_domain == 0 {
         return list_tasks(d, Some(split)).into_iter().cloned().collect();
     }
-    match split {
-        Split::Train => generate_tasks(d, cfg.tasks_per_domain, 0),
-        Split::Test => generate_tasks(d, 0, cfg.tasks_per_domain),
+    let n = cfg.tasks_per_domain;
+    let mut tasks = match split {
+        Split::Train => generate_tasks(d, n, 0),
+        Split::Test => return generate_tasks(d, 0, n),
+    };
+    let extra: BTreeMap<&str, usize> = cfg
+        .kind_weights
+        .iter()
+        .filter_map(|(kind, w)| {
+            let have = tasks.iter().filter(|t| &t.kind == kind).count();
+            let want = (have as f64 * (w - 1.0).max(0.0)).round() as usize;
+            (want > 0).then_some((kind.as_str(), want))
+        })
+        .collect();
+    if extra.is_empty() {
+        return tasks;
     }
+    let most = cfg.kind_weights.values().fold(1.0f64, |a, &w| a.max(w));
+    let mut left = extra;
+    // Tasks cycle through their kinds, so `most` times as many indices hold enough of each.
+    let further = generate_tasks(d, (n as f64 * most).ceil() as usize, 0);
+    for t in further.into_iter().skip(n) {
+        if let Some(k) = left.get_mut(t.kind.as_str())
+            && *k > 0
+        {
+            *k -= 1;
+            tasks.push(t);
+        }
+    }
+    tasks
+}
+
+/// Every `kind_weights` key that no domain's train-split tasks have (a typo would otherwise
+/// weigh nothing, silently).
+pub fn unknown_kinds(domains: &[Domain], cfg: &CorpusConfig) -> Vec<String> {
+    let known: std::collections::BTreeSet<String> = domains
+        .iter()
+        .flat_map(|&d| generate_tasks(d, 24, 0))
+        .map(|t| t.kind)
+        .collect();
+    cfg.kind_weights
+        .keys()
+        .filter(|k| !known.contains(*k))
+        .cloned()
+        .collect()
 }
 
 /// Every actor and simulator text of a domain split (see [`CorpusConfig`]).

@@ -22,6 +22,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         tool_drills_per_task: 0.0,
         tool_drill_style: Default::default(),
         template: CorpusTemplate::Compact,
+        kind_weights: BTreeMap::new(),
         seed: 7,
     }
 }
@@ -378,4 +379,50 @@ fn a_slip_changes_exactly_one_argument() {
         arguments: json!({"note": "hi"}),
     };
     assert!(corrupt_call(&no_args, &mut rng).is_none());
+}
+
+#[test]
+fn kind_weights_add_fresh_train_tasks_of_those_kinds_only() {
+    let c = CorpusConfig {
+        tasks_per_domain: 48,
+        ..cfg(0.0)
+    };
+    let base = corpus_tasks(Domain::Bank, Split::Train, &c);
+    let count = |ts: &[Task], k: &str| ts.iter().filter(|t| t.kind == k).count();
+    let mut w = c.clone();
+    w.kind_weights.insert("pay_if_enough".into(), 3.0);
+    w.kind_weights.insert("named_transfer".into(), 1.5);
+    let more = corpus_tasks(Domain::Bank, Split::Train, &w);
+    assert_eq!(
+        more[..base.len()],
+        base[..],
+        "the first tasks stay the same"
+    );
+    let (p, n) = (
+        count(&base, "pay_if_enough"),
+        count(&base, "named_transfer"),
+    );
+    assert!(p > 0 && n > 0);
+    assert_eq!(count(&more, "pay_if_enough"), 3 * p);
+    assert_eq!(
+        count(&more, "named_transfer"),
+        (1.5 * n as f64).round() as usize
+    );
+    assert_eq!(
+        more.len(),
+        base.len() + 2 * p + (0.5 * n as f64).round() as usize
+    );
+    let ids: std::collections::BTreeSet<&str> = more.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(ids.len(), more.len(), "no task twice");
+    assert!(more.iter().all(|t| t.split == Some(Split::Train)));
+    // More texts, from the added tasks.
+    let texts = |c: &CorpusConfig| {
+        corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), c)
+            .unwrap()
+            .len()
+    };
+    assert!(texts(&w) > texts(&c));
+    assert_eq!(unknown_kinds(&[Domain::Bank], &w), Vec::<String>::new());
+    w.kind_weights.insert("pay_if_enugh".into(), 2.0);
+    assert_eq!(unknown_kinds(&[Domain::Bank], &w), ["pay_if_enugh"]);
 }
