@@ -12,6 +12,8 @@
 
 use std::path::Path;
 
+use serde_json::Value;
+
 use crate::engine::parse::parse_actor;
 use crate::engine::prompts::tools_json;
 use crate::env::ToolSpec;
@@ -35,6 +37,8 @@ pub struct ModelResponder<M> {
     model: M,
     params: SamplingParams,
     cancel: CancelToken,
+    /// Constrain call names to the entry's functions.
+    constrain: bool,
 }
 
 impl<M: LanguageModel> ModelResponder<M> {
@@ -47,7 +51,22 @@ impl<M: LanguageModel> ModelResponder<M> {
                 ..SamplingParams::default()
             },
             cancel: CancelToken::new(),
+            constrain: false,
         }
+    }
+
+    /// The sampling parameters for one generation offering `tools`.
+    fn params_for(&self, tools: &[Value]) -> SamplingParams {
+        let mut p = self.params.clone();
+        if self.constrain {
+            p.tool_names = tools
+                .iter()
+                .filter_map(|t| t.get("function").unwrap_or(t).get("name"))
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect();
+        }
+        p
     }
 
     /// One entry's response: the calls parsed from the generation, and the generation itself.
@@ -61,7 +80,7 @@ impl<M: LanguageModel> ModelResponder<M> {
         };
         let text = self
             .model
-            .generate_chat(&chat, 1, &self.params, None, &self.cancel)?
+            .generate_chat(&chat, 1, &self.params_for(&tools), None, &self.cancel)?
             .into_iter()
             .next()
             .map(|g| g.text)
@@ -89,7 +108,7 @@ impl<M: LanguageModel> ModelResponder<M> {
         };
         let text = self
             .model
-            .generate_chat(&chat, 1, &self.params, None, &self.cancel)?
+            .generate_chat(&chat, 1, &self.params_for(&tools), None, &self.cancel)?
             .into_iter()
             .next()
             .map(|g| g.text)
@@ -109,6 +128,10 @@ impl<M: LanguageModel> BfclResponder for ModelResponder<M> {
         tools: &[ToolSpec],
     ) -> Result<(Vec<ToolCall>, String), BoxError> {
         Ok(self.step(messages, tools)?)
+    }
+
+    fn constrain_tool_names(&mut self, on: bool) {
+        self.constrain = on;
     }
 }
 
@@ -148,6 +171,7 @@ mod tests {
         reply: String,
         prompts: Vec<Value>,
         max_tokens: Vec<usize>,
+        tool_names: Vec<Vec<String>>,
     }
 
     fn scripted(reply: &str) -> Scripted {
@@ -155,6 +179,7 @@ mod tests {
             reply: reply.into(),
             prompts: vec![],
             max_tokens: vec![],
+            tool_names: vec![],
         }
     }
 
@@ -196,6 +221,7 @@ mod tests {
             let bytes: Vec<u8> = prompt_ids.iter().map(|&i| i as u8).collect();
             self.prompts.push(serde_json::from_slice(&bytes).unwrap());
             self.max_tokens.push(params.max_tokens);
+            self.tool_names.push(params.tool_names.clone());
             Ok(vec![Generation {
                 prompt_ids: prompt_ids.to_vec(),
                 response_ids: vec![],
@@ -271,5 +297,22 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.to_string().contains("auto, cpu, cuda or metal"), "{e}");
+    }
+
+    #[test]
+    fn constrained_responders_offer_the_entrys_function_names_to_the_decoder() {
+        let mut r = ModelResponder::new(scripted("no call"), 64);
+        r.answer(&entry()).unwrap();
+        r.constrain_tool_names(true);
+        r.answer(&entry()).unwrap();
+        r.step(&[Message::user("hi")], &entry().tools()).unwrap();
+        assert_eq!(
+            r.model.tool_names,
+            [
+                vec![],
+                vec!["get_user_info".to_string()],
+                vec!["get_user_info".to_string()]
+            ]
+        );
     }
 }

@@ -771,6 +771,12 @@ pub trait BfclResponder {
         let _ = (messages, tools);
         Err("this responder answers single-turn entries only".into())
     }
+
+    /// Constrain the names of the calls it writes to the entry's functions (constrained
+    /// decoding; a responder that cannot, such as recorded answers, ignores it).
+    fn constrain_tool_names(&mut self, on: bool) {
+        let _ = on;
+    }
 }
 
 /// Answer every entry with `responder`, appending each response to `out` (when given) as it

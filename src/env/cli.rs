@@ -196,6 +196,10 @@ pub struct BfclEvalArgs {
     /// With --model: auto, cpu, cuda or metal.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// With --model: a call's name can only be one of the entry's functions (constrained
+    /// decoding, local models).
+    #[arg(long)]
+    pub constrain_tools: bool,
     /// Print one JSON object, with a verdict per entry (`results`).
     #[arg(long)]
     pub json: bool,
@@ -576,6 +580,7 @@ where
             let mut responder = load(model, args.max_tokens, &args.device)
                 .map_err(Into::into)
                 .with_context(|| format!("loading model {}", model.display()))?;
+            responder.constrain_tool_names(args.constrain_tools);
             let quiet = args.json;
             let answered = collect_responses(
                 &entries,
@@ -635,6 +640,7 @@ where
             let mut responder = load(model, args.max_tokens, &args.device)
                 .map_err(Into::into)
                 .with_context(|| format!("loading model {}", model.display()))?;
+            responder.constrain_tool_names(args.constrain_tools);
             let quiet = args.json;
             let answered = collect_multi_responses(
                 &entries,
