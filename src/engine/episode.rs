@@ -101,8 +101,9 @@ pub struct EpisodeConfig {
     pub sim_failure: SimFailurePolicy,
     /// Rehearse mode: calls that exactly match a recorded example get the recorded response.
     pub recall_recorded: bool,
-    /// The actor's tool-call names can only be listed tools (constrained decoding).
-    #[serde(default)]
+    /// The actor's tool-call names can only be listed tools (constrained decoding). Written
+    /// only when on: a header without it is an episode that did not constrain.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub constrain_tool_names: bool,
 }
 

@@ -294,7 +294,7 @@ pub struct EngineConfig {
     pub recall_recorded: bool,
     /// Actor generations (main line and rehearsal branches) may only name listed tools in a
     /// call (`SamplingParams::tool_names`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub constrain_tool_names: bool,
 }
 
