@@ -450,7 +450,8 @@ pub struct PretrainArgs {
     #[arg(long, value_enum, default_value = "compact")]
     pub template: envace::train::pretrain::CorpusTemplate,
     /// More train-split tasks of a kind: KIND=W (repeatable; `pay_if_enough=3` gives three
-    /// times as many, the extra ones fresh instances). Kinds are the tasks' `kind` field.
+    /// times as many, at most one short, the extra ones fresh instances). Kinds are the second
+    /// column of `envace tasks DOMAIN --split train`.
     #[arg(long = "kind-weight", value_name = "KIND=W", value_parser = parse_kind_weight)]
     pub kind_weights: Vec<(String, f64)>,
     /// Stop before this step, the learning-rate schedule still spanning --steps: reproduces a

@@ -234,7 +234,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
         envace::train::pretrain::unknown_kinds(&envace::env::domains::Domain::ALL, &cfg.corpus);
     if !unknown.is_empty() {
         anyhow::bail!(
-            "--kind-weight: no built-in task has kind {} (see a task's `kind` field, e.g. `envace tasks`)",
+            "--kind-weight: no train-split task of the corpus has kind {} (the kinds are the second column of `envace tasks DOMAIN --split train`)",
             unknown.join(", ")
         );
     }

@@ -299,6 +299,28 @@ fn chat_backend_plays_an_episode_and_records_the_backend() {
     let g = &generations[0]["event"];
     assert!(g["prompt"].as_array().is_some_and(|m| !m.is_empty()), "{g}");
     assert!(!g["text"].as_str().unwrap().is_empty(), "{g}");
+    // A served model cannot enforce constrained tool names: refused, naming the server, rather
+    // than run unconstrained.
+    let o = envace(&[
+        "run",
+        "--model",
+        &spec,
+        "--env",
+        "bank",
+        "--task",
+        "bank-test-0007",
+        "--mode",
+        "shadow",
+        "--constrain-tools",
+        "--out",
+        dir.path().join("c.jsonl").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!matches!(o.status.code(), Some(0 | 1)), "{stderr}");
+    assert!(
+        stderr.contains("--constrain-tools") && stderr.contains(&server.url()),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -59,12 +59,7 @@ impl<M: LanguageModel> ModelResponder<M> {
     fn params_for(&self, tools: &[Value]) -> SamplingParams {
         let mut p = self.params.clone();
         if self.constrain {
-            p.tool_names = tools
-                .iter()
-                .filter_map(|t| t.get("function").unwrap_or(t).get("name"))
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect();
+            p.tool_names = crate::runtime::tool_format::tool_names(tools);
         }
         p
     }

@@ -59,7 +59,7 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// When not empty, a tool call's name can only be one of these (see
     /// [`super::tool_guard`]); a local model enforces it token by token, a remote server
-    /// ignores it.
+    /// cannot and refuses the request.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_names: Vec<String>,
 }

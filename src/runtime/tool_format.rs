@@ -99,6 +99,16 @@ pub fn tools_block(rendering: ToolRendering, tools: &[Value]) -> Option<String> 
     }
 }
 
+/// The names of OpenAI-style tool entries (`{"type": "function", "function": {"name": …}}` or a
+/// bare `{"name": …}`), in order; entries without a name are skipped.
+pub fn tool_names(tools: &[Value]) -> Vec<String> {
+    tools
+        .iter()
+        .filter_map(|t| unwrap_function(t).get("name").and_then(Value::as_str))
+        .map(str::to_string)
+        .collect()
+}
+
 /// `{"type": "function", "function": f}` → `f`; anything else unchanged.
 fn unwrap_function(tool: &Value) -> &Value {
     match tool.get("function") {

@@ -11,8 +11,9 @@
 
 use std::sync::Arc;
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+/// The tags around a Hermes/Qwen tool call (the actor parser reads the same ones).
+pub const OPEN: &str = "<tool_call>";
+pub const CLOSE: &str = "</tool_call>";
 
 /// What the guard needs: the allowed names and each token's text.
 #[derive(Debug, Clone)]

@@ -516,6 +516,20 @@ mod tests {
     }
 
     #[test]
+    fn tool_names_listed_constrains_the_episode() {
+        let mut t = RunTab::new(None, None);
+        assert!(!t.config().unwrap().constrain_tool_names);
+        assert!(t.form.select("names", "listed"));
+        assert!(t.config().unwrap().constrain_tool_names);
+        assert!(
+            t.request(Path::new("/tmp"))
+                .unwrap()
+                .config
+                .constrain_tool_names
+        );
+    }
+
+    #[test]
     fn mcp_needs_an_instruction() {
         let mut t = RunTab::new(None, Some("node server.js".into()));
         assert_eq!(t.form.choice("env"), "mcp");

@@ -490,7 +490,7 @@ impl Engine {
             GenRole::Simulator => (Vec::new(), self.cfg.simulator_thinking),
         };
         if role == GenRole::Actor && self.cfg.constrain_tool_names {
-            sampling.tool_names = tools.iter().filter_map(tool_name).collect();
+            sampling.tool_names = crate::runtime::tool_format::tool_names(&tools);
         }
         self.out.push(Effect::Generate(GenerateRequest {
             id,
@@ -644,16 +644,6 @@ fn pending_id(p: &Phase) -> Option<RequestId> {
         Phase::Scoring { id, .. } => Some(*id),
         Phase::NotStarted | Phase::Done => None,
     }
-}
-
-/// The name of an OpenAI-style function entry (`{"type":"function","function":{"name":…}}`),
-/// or of a bare `{"name":…}` entry.
-fn tool_name(tool: &Value) -> Option<String> {
-    tool.get("function")
-        .unwrap_or(tool)
-        .get("name")
-        .and_then(Value::as_str)
-        .map(str::to_string)
 }
 
 #[cfg(test)]

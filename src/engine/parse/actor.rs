@@ -15,8 +15,7 @@ use crate::message::ToolCall;
 
 pub use crate::session::format::{ActorAction, ActorFormatEvent, ActorTurn};
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+use crate::runtime::tool_guard::{CLOSE, OPEN};
 /// Leaked-JSON scanning stops after this many candidate objects (keeps adversarial inputs linear
 /// enough for fuzzing).
 const MAX_LEAK_CANDIDATES: usize = 64;

@@ -145,6 +145,18 @@ impl RemoteModel {
         }
     }
 
+    /// Constrained tool names are enforced token by token in the local decoder; a server is
+    /// sent no such constraint, so the request is refused rather than run unconstrained.
+    fn refuse_constraint(&self, params: &SamplingParams) -> Result<(), RuntimeError> {
+        if params.tool_names.is_empty() {
+            return Ok(());
+        }
+        Err(RuntimeError::Generation(format!(
+            "{}: constrained tool names (--constrain-tools) need a local model; a served model cannot enforce them",
+            self.spec.base_url
+        )))
+    }
+
     fn common_body(
         &self,
         params: &SamplingParams,
@@ -407,6 +419,7 @@ impl LanguageModel for RemoteModel {
         stream: Option<StreamSink<'_>>,
         cancel: &CancelToken,
     ) -> Result<Vec<Generation>, RuntimeError> {
+        self.refuse_constraint(params)?;
         let bodies = (0..n.max(1))
             .map(|i| {
                 let mut b = self.common_body(params, i);
@@ -431,6 +444,7 @@ impl LanguageModel for RemoteModel {
         if self.spec.api == Api::Completions {
             return generate_rendered(self, chat, n, params, stream, cancel);
         }
+        self.refuse_constraint(params)?;
         let (messages, tools) = match self.spec.tool_rendering {
             Some(r) => (
                 tool_format::rewrite_messages(r, chat.messages, chat.tools).into_owned(),

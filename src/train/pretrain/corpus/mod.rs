@@ -97,7 +97,8 @@ pub struct CorpusConfig {
     #[serde(default)]
     pub template: CorpusTemplate,
     /// More tasks of some kinds (`pay_if_enough` → 3.0: three times as many train-split tasks
-    /// of that kind, the extra ones fresh instances generated past `tasks_per_domain`, every
+    /// of that kind, the extra ones fresh instances from the next (W_max − 1)× as many tasks of
+    /// the sequence, at most one short of the count where the kinds' cycle rounds down; every
     /// one with all its texts). Kinds a model keeps failing get the practice; no task is
     /// repeated.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -145,18 +146,25 @@ impl Default for CorpusConfig {
     }
 }
 
-/// The tasks a corpus is built from: the split's first `tasks_per_domain`, then (train split,
-/// `kind_weights`) fresh ones of the weighted kinds from further along the same sequence.
-fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
-    if cfg.tasks_per_domain == 0 {
-        return list_tasks(d, Some(split)).into_iter().cloned().collect();
+/// The split's own tasks: the first `tasks_per_domain` generated ones (0: the built-in set,
+/// which is the same sequence's first 500 train and 100 test tasks).
+fn base_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
+    match (cfg.tasks_per_domain, split) {
+        (0, _) => list_tasks(d, Some(split)).into_iter().cloned().collect(),
+        (n, Split::Train) => generate_tasks(d, n, 0),
+        (n, Split::Test) => generate_tasks(d, 0, n),
     }
-    let n = cfg.tasks_per_domain;
-    let mut tasks = match split {
-        Split::Train => generate_tasks(d, n, 0),
-        Split::Test => return generate_tasks(d, 0, n),
-    };
-    let extra: BTreeMap<&str, usize> = cfg
+}
+
+/// The tasks a corpus is built from: [`base_tasks`], then (train split, `kind_weights`) fresh
+/// ones of the weighted kinds from further along the same sequence.
+fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
+    let mut tasks = base_tasks(d, split, cfg);
+    if split != Split::Train || cfg.kind_weights.is_empty() {
+        return tasks;
+    }
+    let n = tasks.len();
+    let mut left: BTreeMap<&str, usize> = cfg
         .kind_weights
         .iter()
         .filter_map(|(kind, w)| {
@@ -165,12 +173,13 @@ fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
             (want > 0).then_some((kind.as_str(), want))
         })
         .collect();
-    if extra.is_empty() {
+    if left.is_empty() {
         return tasks;
     }
+    // Fresh tasks come from the next (W_max − 1)·n of the sequence, in order. Kinds cycle, so
+    // the window holds about (W − 1)× each kind's count; where rounding leaves it one short, the
+    // window is what the corpus gets (widening it would change corpora already trained on).
     let most = cfg.kind_weights.values().fold(1.0f64, |a, &w| a.max(w));
-    let mut left = extra;
-    // Tasks cycle through their kinds, so `most` times as many indices hold enough of each.
     let further = generate_tasks(d, (n as f64 * most).ceil() as usize, 0);
     for t in further.into_iter().skip(n) {
         if let Some(k) = left.get_mut(t.kind.as_str())
@@ -183,12 +192,12 @@ fn corpus_tasks(d: Domain, split: Split, cfg: &CorpusConfig) -> Vec<Task> {
     tasks
 }
 
-/// Every `kind_weights` key that no domain's train-split tasks have (a typo would otherwise
-/// weigh nothing, silently).
+/// Every `kind_weights` key that none of the domains' train tasks in the corpus has (a typo, or
+/// a kind of a domain not trained on, would otherwise weigh nothing, silently).
 pub fn unknown_kinds(domains: &[Domain], cfg: &CorpusConfig) -> Vec<String> {
     let known: std::collections::BTreeSet<String> = domains
         .iter()
-        .flat_map(|&d| generate_tasks(d, 24, 0))
+        .flat_map(|&d| base_tasks(d, Split::Train, cfg))
         .map(|t| t.kind)
         .collect();
     cfg.kind_weights
