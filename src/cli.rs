@@ -445,6 +445,10 @@ pub struct PretrainArgs {
     /// tools named with synonyms, looked up in the list as on a real MCP server).
     #[arg(long, value_enum, default_value = "named")]
     pub tool_drill_style: envace::train::tool_drill::DrillStyle,
+    /// Calculation drills per task: calculator-style functions, a third of the requests
+    /// fitting none of them (the reply declines without a call), the rest one or two calls.
+    #[arg(long, default_value_t = 0.0)]
+    pub calc_drills: f64,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]

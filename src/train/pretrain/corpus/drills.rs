@@ -1,6 +1,7 @@
 //! Drills: short synthetic conversations beside the gold runs. Copy drills echo a list of
 //! train-split entities (or random letter strings) exactly; tool drills act on made-up tools
-//! (see [`super::tool_drill`]). A random string is never a test-pool value.
+//! (see [`super::tool_drill`]); calculation drills call, or decline, calculator functions (see
+//! [`super::calc_drill`]). A random string is never a test-pool value.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -52,6 +53,17 @@ pub(super) fn tool_drill_texts(
         out.push(simulator_text(t, &prompt, response)?);
     }
     Ok(out)
+}
+
+/// The actor text of calculation drill `seed`: half of them with the system prompt the engine
+/// gives an MCP server's tools, half with none (as BFCL asks).
+pub(super) fn calc_drill_text(t: &ChatTemplate, seed: u64) -> Result<Segmented, TrainError> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let system = rng
+        .random::<bool>()
+        .then(|| crate::engine::spec::mcp_system(&format!("mcp:{}", random_word_styled(&mut rng, false))));
+    let d = super::calc_drill::calc_drill(seed, system.as_deref());
+    actor_text(t, &d.messages, &tools_json(&d.tools))
 }
 
 /// System prompt of the copy drills.

@@ -3,7 +3,8 @@
 //! goes in). This module draws the tasks and decides, seeded, which texts each task yields;
 //! the texts come from its children: `text` (rendering with trained segments), `episodes` (a
 //! task's gold run: simulator pools, slipped calls, rehearsal-memory examples), `drills` (copy
-//! drills, tool drills) and [`tool_drill`] (made-up tools); random-entity copies come from
+//! drills, tool drills, calculation drills), [`tool_drill`] (made-up tools) and [`calc_drill`]
+//! (calculator functions, a third of the requests fitting none); random-entity copies come from
 //! `env::tasks::randomize`, which GRPO's randomized tasks share.
 //!
 //! Corpora are reproducible: the same configuration gives the same texts, and a kind of text
@@ -29,13 +30,14 @@ use crate::runtime::chat_template::{
 };
 use crate::train::TrainError;
 
+pub mod calc_drill;
 mod drills;
 mod episodes;
 pub(super) mod text;
 pub mod tool_drill;
 
 pub use drills::COPY_SYSTEM;
-use drills::{copy_drill, tool_drill_texts};
+use drills::{calc_drill_text, copy_drill, tool_drill_texts};
 use episodes::{SlipInput, memory_example, recorded_pool, slip_examples};
 use text::END;
 pub use text::{Segmented, actor_text, actor_text_last, simulator_text};
@@ -93,6 +95,11 @@ pub struct CorpusConfig {
     /// How the drills name their tools.
     #[serde(default)]
     pub tool_drill_style: tool_drill::DrillStyle,
+    /// Calculation drills per task (see [`calc_drill`]; a fraction is a probability):
+    /// calculator-style functions, a third of the requests fitting none of them (the reply
+    /// says so without a call), the rest one or two calls. Actor texts only.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub calc_drills_per_task: f64,
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
@@ -104,6 +111,10 @@ pub struct CorpusConfig {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub kind_weights: BTreeMap<String, f64>,
     pub seed: u64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// Which compact template a model trained here speaks.
@@ -139,6 +150,7 @@ impl Default for CorpusConfig {
             random_entity_fraction: 0.0,
             tool_drills_per_task: 0.0,
             tool_drill_style: Default::default(),
+            calc_drills_per_task: 0.0,
             template: CorpusTemplate::Compact,
             kind_weights: BTreeMap::new(),
             seed: 0,
@@ -296,6 +308,16 @@ pub fn corpus(
                         with_sim,
                         cfg.tool_drill_style,
                     )?);
+                }
+            }
+            // Drawn only when on (earlier corpora keep their draws).
+            if cfg.calc_drills_per_task > 0.0 {
+                let whole = cfg.calc_drills_per_task.floor();
+                let frac = cfg.calc_drills_per_task - whole;
+                let extra = usize::from(rng.random::<f64>() < frac);
+                for _ in 0..whole as usize + extra {
+                    let seed = rng.random::<u64>();
+                    out.push(calc_drill_text(&t, seed)?);
                 }
             }
         }

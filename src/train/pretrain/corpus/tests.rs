@@ -21,6 +21,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         random_entity_fraction: 0.0,
         tool_drills_per_task: 0.0,
         tool_drill_style: Default::default(),
+        calc_drills_per_task: 0.0,
         template: CorpusTemplate::Compact,
         kind_weights: BTreeMap::new(),
         seed: 7,
@@ -279,6 +280,51 @@ fn tool_drills_add_mcp_style_actor_and_simulator_texts_in_the_chosen_template() 
             .iter()
             .any(|s| s.1 && s.0.contains("<tool_call>"))
     }));
+}
+
+#[test]
+fn calc_drills_add_one_actor_text_each() {
+    let plain = corpus(
+        &[Domain::Bank],
+        Split::Train,
+        &PromptProfile::compact(),
+        &cfg(0.0),
+    )
+    .unwrap();
+    let c = CorpusConfig {
+        calc_drills_per_task: 2.0,
+        template: CorpusTemplate::CompactV2,
+        ..cfg(0.0)
+    };
+    let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let is_calc = |t: &Segmented| {
+        let x = t.text();
+        x.contains("None of the available functions") || x.contains("{\"result\":")
+    };
+    assert_eq!(plain.iter().filter(|t| is_calc(t)).count(), 0);
+    // Two per task, each one actor text.
+    assert_eq!(texts.len(), plain.len() + 60);
+    let calc: Vec<&Segmented> = texts.iter().filter(|t| is_calc(t)).collect();
+    assert_eq!(calc.len(), 60);
+    assert!(calc.iter().all(|t| t.role == Role::Assistant));
+    // Some decline (a trained reply without a call), the others call.
+    let trained = |t: &Segmented| -> String {
+        t.segments
+            .iter()
+            .filter(|s| s.1)
+            .map(|s| s.0.as_str())
+            .collect()
+    };
+    let declines = calc
+        .iter()
+        .filter(|t| trained(t).starts_with("None of the available functions"))
+        .count();
+    let calls = calc
+        .iter()
+        .filter(|t| trained(t).contains("<tool_call>"))
+        .count();
+    assert!((8..=35).contains(&declines), "{declines}");
+    assert_eq!(declines + calls, 60);
 }
 
 #[test]
