@@ -445,8 +445,9 @@ pub struct PretrainArgs {
     /// tools named with synonyms, looked up in the list as on a real MCP server).
     #[arg(long, value_enum, default_value = "named")]
     pub tool_drill_style: envace::train::tool_drill::DrillStyle,
-    /// Calculation drills per task: calculator-style functions, a third of the requests
-    /// fitting none of them (the reply declines without a call), the rest one or two calls.
+    /// Calculation drills per task: calculator-style functions, one or two calls, or a request
+    /// no listed function fits (the reply declines without a call); half of the one-function
+    /// drills also give their declining twin (the same request, that function unlisted).
     #[arg(long, default_value_t = 0.0)]
     pub calc_drills: f64,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or

@@ -7,12 +7,16 @@
 //! BFCL's irrelevance category (a question, one function on a neighbouring topic: the area of a
 //! triangle beside a BMI calculator) the policy fine-tuned on them called a function 24 times
 //! in 25, inventing `calculate_triangle_area` when only `determine_body_mass_index` was listed.
-//! Here a third of the requests ask for a quantity no listed function computes (often one that
-//! shares a parameter name with a listed one: a cylinder's volume beside a circle's area) or a
-//! question no calculator answers, and the gold reply says so without a call. The rest call the
-//! listed function with the request's numbers (two calls when the request gives two sets of
-//! values, or asks for two quantities), get `{"result": …}` computed by the real formula, and
-//! answer with it. Everything is seeded; the vocabulary is fixed and no value is drawn from the
+//! Here some requests ask for a quantity no listed function computes (often one that shares a
+//! parameter name with a listed one: a cylinder's volume beside a circle's area) or a question
+//! no calculator answers, and the gold reply says so without a call. The rest call the listed
+//! function with the request's numbers (two calls when the request gives two sets of values,
+//! or asks for two quantities), get `{"result": …}` computed by the real formula, and answer
+//! with it. A drill that calls one function has a declining twin ([`decline_twin`]): the same
+//! request with that function unlisted. Without twins (a third of the drills declining, none
+//! paired) a policy learned to decline calculations as such, fitting function or not (BFCL
+//! simple_python 6 → 3 of 25): the pair differs only in the list, so only reading it tells
+//! them apart. Everything is seeded; the vocabulary is fixed and no value is drawn from the
 //! test split's pools.
 
 use rand::rngs::StdRng;
@@ -190,7 +194,11 @@ const CALCS: &[Calc] = &[
         what: "density",
         params: &[
             p("mass", Num::Dec(1, 500), "of a {} kg object"),
-            p("volume", Num::Dec(1, 50), "with a volume of {} cubic meters"),
+            p(
+                "volume",
+                Num::Dec(1, 50),
+                "with a volume of {} cubic meters",
+            ),
         ],
         formula: |a| f(&a[0]) / f(&a[1]).max(0.1),
     },
@@ -237,7 +245,11 @@ const CALCS: &[Calc] = &[
         stem: "population_density",
         what: "population density",
         params: &[
-            p("population", Num::Int(1_000, 5_000_000), "for a population of {}"),
+            p(
+                "population",
+                Num::Int(1_000, 5_000_000),
+                "for a population of {}",
+            ),
             p("area", Num::Int(1, 10_000), "over {} square km"),
         ],
         formula: |a| f(&a[0]) / f(&a[1]).max(1.0),
@@ -293,7 +305,31 @@ const CALCS: &[Calc] = &[
 ];
 
 /// How a function name wraps its stem.
-const PREFIXES: &[&str] = &["calculate_", "compute_", "get_", "find_", ""];
+const PREFIXES: &[&str] = &[
+    "calculate_",
+    "compute_",
+    "get_",
+    "find_",
+    "",
+    "math.",
+    "calc.",
+];
+
+/// A function name for `calc`: a prefix and its stem (`calculate_circle_area`), or a third of
+/// the time the words of what it computes (`area_of_circle`).
+fn name_of(calc: &Calc, rng: &mut StdRng) -> String {
+    let prefix = *PREFIXES.choose(rng).unwrap_or(&"calculate_");
+    if rng.random::<f64>() < 0.3 {
+        let words: Vec<&str> = calc
+            .what
+            .split(' ')
+            .filter(|w| !matches!(*w, "a" | "an" | "the"))
+            .collect();
+        format!("{prefix}{}", words.join("_").to_lowercase())
+    } else {
+        format!("{prefix}{}", calc.stem)
+    }
+}
 
 /// Questions no calculator answers: about a place (`true`) or a subject, `{}` taking a word of
 /// [`PLACES`] or [`SUBJECTS`].
@@ -309,7 +345,9 @@ const QUESTIONS: &[(&str, bool)] = &[
 ];
 
 /// Words for [`QUESTIONS`] (none of them in a test pool: checked by a test).
-const PLACES: &[&str] = &["Portugal", "Mongolia", "Peru", "Iceland", "Kenya", "Vietnam"];
+const PLACES: &[&str] = &[
+    "Portugal", "Mongolia", "Peru", "Iceland", "Kenya", "Vietnam",
+];
 const SUBJECTS: &[&str] = &[
     "penguins",
     "the ocean",
@@ -320,7 +358,13 @@ const SUBJECTS: &[&str] = &[
 ];
 
 /// Request openers.
-const OPENERS: &[&str] = &["Calculate the", "What is the", "Find the", "I need the", "Compute the"];
+const OPENERS: &[&str] = &[
+    "Calculate the",
+    "What is the",
+    "Find the",
+    "I need the",
+    "Compute the",
+];
 
 fn draw(num: Num, rng: &mut StdRng) -> Value {
     match num {
@@ -409,10 +453,7 @@ pub fn calc_drill(seed: u64, system: Option<&str>) -> Drill {
     }
     let names: Vec<String> = chosen
         .iter()
-        .map(|&i| {
-            let prefix = *PREFIXES.choose(&mut rng).unwrap_or(&"calculate_");
-            format!("{prefix}{}", CALCS[i].stem)
-        })
+        .map(|&i| name_of(&CALCS[i], &mut rng))
         .collect();
     let tools: Vec<ToolSpec> = chosen
         .iter()
@@ -424,7 +465,7 @@ pub fn calc_drill(seed: u64, system: Option<&str>) -> Drill {
         messages.push(Message::system(s));
     }
     let roll = rng.random::<f64>();
-    if roll < 0.35 {
+    if roll < 0.15 {
         // No listed function fits: a quantity none computes (a neighbour when one shares a
         // parameter name), or a question no calculator answers.
         // Never one whose name contains a listed one's or the reverse (`population density`
@@ -438,10 +479,11 @@ pub fn calc_drill(seed: u64, system: Option<&str>) -> Drill {
             })
             .collect();
         let shares = |i: &usize| {
-            CALCS[*i]
-                .params
-                .iter()
-                .any(|q| chosen.iter().any(|&c| CALCS[c].params.iter().any(|r| r.name == q.name)))
+            CALCS[*i].params.iter().any(|q| {
+                chosen
+                    .iter()
+                    .any(|&c| CALCS[c].params.iter().any(|r| r.name == q.name))
+            })
         };
         let near: Vec<usize> = unlisted.iter().copied().filter(shares).collect();
         let pick = if !near.is_empty() && rng.random::<bool>() {
@@ -450,7 +492,7 @@ pub fn calc_drill(seed: u64, system: Option<&str>) -> Drill {
             unlisted.choose(&mut rng).copied()
         };
         let (request, answer) = match pick {
-            Some(i) if rng.random::<f64>() < 0.75 => {
+            Some(i) if rng.random::<bool>() => {
                 let calc = &CALCS[i];
                 let opener = *OPENERS.choose(&mut rng).unwrap_or(&"Calculate the");
                 let (_, words) = values(calc, &mut rng);
@@ -552,6 +594,58 @@ pub fn calc_drill(seed: u64, system: Option<&str>) -> Drill {
     }
 }
 
+/// The declining twin of a drill that calls one function (once or twice): the same request,
+/// the called function taken out of the list (another that does not fit put in its place when
+/// the list would be empty, or with even odds), and a reply that declines without a call. Beside
+/// its positive drill in a corpus, the two differ only in the tool list: the decision must come
+/// from reading it. `None` for drills that make no call or call two functions.
+pub fn decline_twin(d: &Drill, seed: u64) -> Option<Drill> {
+    let name = &d.calls.first()?.0.name;
+    if d.calls.iter().any(|(c, _)| &c.name != name) {
+        return None;
+    }
+    let called = d.tools.iter().find(|t| &t.name == name)?;
+    let what = called
+        .description
+        .trim_start_matches("Calculate the ")
+        .trim_end_matches('.')
+        .to_string();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x7477_696e);
+    let mut tools: Vec<ToolSpec> = d
+        .tools
+        .iter()
+        .filter(|t| &t.name != name)
+        .cloned()
+        .collect();
+    if tools.is_empty() || rng.random::<bool>() {
+        let listed = |c: &Calc| {
+            tools
+                .iter()
+                .any(|t| t.description == format!("Calculate the {}.", c.what))
+        };
+        let fits: Vec<&Calc> = CALCS
+            .iter()
+            .filter(|c| !c.what.contains(&what) && !what.contains(c.what) && !listed(c))
+            .collect();
+        let c = fits.choose(&mut rng)?;
+        let at = rng.random_range(0..=tools.len());
+        tools.insert(at, spec(c, name_of(c, &mut rng)));
+    }
+    let user = d
+        .messages
+        .iter()
+        .position(|m| m.role == crate::message::Role::User)?;
+    let mut messages = d.messages[..=user].to_vec();
+    messages.push(Message::assistant(format!(
+        "None of the available functions computes the {what}, so I can't do that with them."
+    )));
+    Some(Drill {
+        messages,
+        tools,
+        calls: Vec::new(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -569,7 +663,10 @@ mod tests {
                 none += 1;
                 assert_eq!(d.messages.len(), 2);
                 let answer = &d.messages[1].content;
-                assert!(answer.starts_with("None of the available functions"), "{answer}");
+                assert!(
+                    answer.starts_with("None of the available functions"),
+                    "{answer}"
+                );
                 // The quantity asked for is computed by no listed function.
                 let user = &d.messages[0].content;
                 for t in &d.tools {
@@ -583,7 +680,7 @@ mod tests {
             two_functions +=
                 usize::from(d.calls.len() == 2 && d.calls[0].0.name != d.calls[1].0.name);
         }
-        assert!((170..=250).contains(&none), "{none}");
+        assert!((60..=130).contains(&none), "{none}");
         assert!(parallel > 40, "{parallel}");
         assert!(two_functions > 30, "{two_functions}");
     }
@@ -594,7 +691,11 @@ mod tests {
             let d = calc_drill(seed, Some("S"));
             let user = &d.messages[1].content;
             for (call, response) in &d.calls {
-                let tool = d.tools.iter().find(|t| t.name == call.name).expect("listed");
+                let tool = d
+                    .tools
+                    .iter()
+                    .find(|t| t.name == call.name)
+                    .expect("listed");
                 let required = tool.input_schema["required"].as_array().unwrap();
                 let args = call.arguments.as_object().unwrap();
                 assert_eq!(args.len(), required.len());
@@ -616,6 +717,39 @@ mod tests {
         let area = (CALCS[0].formula)(&[json!(2.0)]);
         assert_eq!(result_value(area), json!(12.57));
         assert_eq!(result_value(120.0), json!(120));
+    }
+
+    #[test]
+    fn twins_differ_only_in_the_list_and_decline() {
+        let mut twins = 0;
+        for seed in 0..300 {
+            let d = calc_drill(seed, Some("S"));
+            let Some(t) = decline_twin(&d, seed) else {
+                assert!(
+                    d.calls.is_empty() || d.calls[0].0.name != d.calls[1].0.name,
+                    "{seed}"
+                );
+                continue;
+            };
+            twins += 1;
+            assert_eq!(t, decline_twin(&d, seed).unwrap(), "seeded");
+            assert_eq!(t.messages[..2], d.messages[..2], "same system and request");
+            assert_eq!(t.messages.len(), 3);
+            assert!(t.calls.is_empty());
+            let called = &d.calls[0].0.name;
+            assert!(!t.tools.iter().any(|x| &x.name == called), "{seed}");
+            assert!(!t.tools.is_empty());
+            // Every other listed function is still there.
+            for x in d.tools.iter().filter(|x| &x.name != called) {
+                assert!(t.tools.contains(x));
+            }
+            assert!(
+                t.messages[2]
+                    .content
+                    .starts_with("None of the available functions")
+            );
+        }
+        assert!(twins > 150, "{twins}");
     }
 
     #[test]

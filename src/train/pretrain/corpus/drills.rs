@@ -55,15 +55,27 @@ pub(super) fn tool_drill_texts(
     Ok(out)
 }
 
-/// The actor text of calculation drill `seed`: half of them with the system prompt the engine
-/// gives an MCP server's tools, half with none (as BFCL asks).
-pub(super) fn calc_drill_text(t: &ChatTemplate, seed: u64) -> Result<Segmented, TrainError> {
+/// The actor texts of calculation drill `seed`: half of them with the system prompt the engine
+/// gives an MCP server's tools, half with none (as BFCL asks); with probability `twins` also
+/// its declining twin (the same request without the function it called, see
+/// [`super::calc_drill::decline_twin`]).
+pub(super) fn calc_drill_texts(
+    t: &ChatTemplate,
+    seed: u64,
+    twins: f64,
+) -> Result<Vec<Segmented>, TrainError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let system = rng
-        .random::<bool>()
-        .then(|| crate::engine::spec::mcp_system(&format!("mcp:{}", random_word_styled(&mut rng, false))));
+    let system = rng.random::<bool>().then(|| {
+        crate::engine::spec::mcp_system(&format!("mcp:{}", random_word_styled(&mut rng, false)))
+    });
     let d = super::calc_drill::calc_drill(seed, system.as_deref());
-    actor_text(t, &d.messages, &tools_json(&d.tools))
+    let mut out = vec![actor_text(t, &d.messages, &tools_json(&d.tools))?];
+    if rng.random::<f64>() < twins
+        && let Some(twin) = super::calc_drill::decline_twin(&d, seed)
+    {
+        out.push(actor_text(t, &twin.messages, &tools_json(&twin.tools))?);
+    }
+    Ok(out)
 }
 
 /// System prompt of the copy drills.

@@ -37,7 +37,7 @@ pub(super) mod text;
 pub mod tool_drill;
 
 pub use drills::COPY_SYSTEM;
-use drills::{calc_drill_text, copy_drill, tool_drill_texts};
+use drills::{calc_drill_texts, copy_drill, tool_drill_texts};
 use episodes::{SlipInput, memory_example, recorded_pool, slip_examples};
 use text::END;
 pub use text::{Segmented, actor_text, actor_text_last, simulator_text};
@@ -96,8 +96,10 @@ pub struct CorpusConfig {
     #[serde(default)]
     pub tool_drill_style: tool_drill::DrillStyle,
     /// Calculation drills per task (see [`calc_drill`]; a fraction is a probability):
-    /// calculator-style functions, a third of the requests fitting none of them (the reply
-    /// says so without a call), the rest one or two calls. Actor texts only.
+    /// calculator-style functions, one or two calls, or (15%) a request no listed function
+    /// fits, which the reply declines without a call; half of the drills with one function
+    /// called also give their declining twin (the same request, that function unlisted).
+    /// Actor texts only.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub calc_drills_per_task: f64,
     /// The chat template the corpus is rendered with (and the model ships with).
@@ -112,6 +114,9 @@ pub struct CorpusConfig {
     pub kind_weights: BTreeMap<String, f64>,
     pub seed: u64,
 }
+
+/// Probability that a calculation drill also gives its declining twin.
+const CALC_TWINS: f64 = 0.5;
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
@@ -317,7 +322,7 @@ pub fn corpus(
                 let extra = usize::from(rng.random::<f64>() < frac);
                 for _ in 0..whole as usize + extra {
                     let seed = rng.random::<u64>();
-                    out.push(calc_drill_text(&t, seed)?);
+                    out.extend(calc_drill_texts(&t, seed, CALC_TWINS)?);
                 }
             }
         }

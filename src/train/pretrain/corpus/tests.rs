@@ -283,7 +283,7 @@ fn tool_drills_add_mcp_style_actor_and_simulator_texts_in_the_chosen_template() 
 }
 
 #[test]
-fn calc_drills_add_one_actor_text_each() {
+fn calc_drills_add_actor_texts_and_declining_twins() {
     let plain = corpus(
         &[Domain::Bank],
         Split::Train,
@@ -302,10 +302,12 @@ fn calc_drills_add_one_actor_text_each() {
         x.contains("None of the available functions") || x.contains("{\"result\":")
     };
     assert_eq!(plain.iter().filter(|t| is_calc(t)).count(), 0);
-    // Two per task, each one actor text.
-    assert_eq!(texts.len(), plain.len() + 60);
+    // Two per task, each one actor text, and a declining twin for about half of those that
+    // call one function.
     let calc: Vec<&Segmented> = texts.iter().filter(|t| is_calc(t)).collect();
-    assert_eq!(calc.len(), 60);
+    assert_eq!(texts.len(), plain.len() + calc.len());
+    let twins = calc.len() - 60;
+    assert!((10..=40).contains(&twins), "{twins}");
     assert!(calc.iter().all(|t| t.role == Role::Assistant));
     // Some decline (a trained reply without a call), the others call.
     let trained = |t: &Segmented| -> String {
@@ -323,8 +325,11 @@ fn calc_drills_add_one_actor_text_each() {
         .iter()
         .filter(|t| trained(t).contains("<tool_call>"))
         .count();
-    assert!((8..=35).contains(&declines), "{declines}");
-    assert_eq!(declines + calls, 60);
+    assert!(
+        declines >= twins + 2 && declines <= twins + 20,
+        "{declines}"
+    );
+    assert_eq!(declines + calls, calc.len());
 }
 
 #[test]
