@@ -313,8 +313,8 @@ pub enum BenchCommand {
     /// until its standard input closes.
     #[command(hide = true)]
     Spin {
-        #[arg(long, default_value_t = 1)]
-        threads: usize,
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+        threads: u16,
     },
 }
 
@@ -358,9 +358,10 @@ pub struct BenchGenerateArgs {
     #[arg(long, default_value = "bank-test-0007")]
     pub rehearsal_task: String,
     /// Busy threads of a competing process (a child `envace bench spin`) during the
-    /// `decode_tok_s_contended` decode, as when another program shares the cores; 0 skips it.
-    #[arg(long, default_value_t = 1)]
-    pub contend: usize,
+    /// `decode_tok_s_contended` decode, as when another program shares the cores; 0 skips it
+    /// (at most 256).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=256))]
+    pub contend: u16,
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
     #[arg(long)]

@@ -909,11 +909,11 @@ pub fn bench_contended(
     a: &crate::cli::BenchGenerateArgs,
     r: &mut envace::runtime::bench::GenerateBench,
 ) -> Result<()> {
-    let competitor = Competitor::spawn(a.contend)?;
+    let competitor = Competitor::spawn(usize::from(a.contend))?;
     let rate = envace::runtime::bench::decode_rate(model, a.prompt_tokens, a.new_tokens, a.runs);
     drop(competitor);
     let rate = rate?;
-    r.contend_threads = a.contend;
+    r.contend_threads = usize::from(a.contend);
     r.decode_tok_s_contended = Some(rate);
     r.contended_ratio = Some(rate / r.decode_tok_s);
     Ok(())

@@ -148,7 +148,9 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Some(Command::Bench(BenchCommand::Spin { threads })) => commands::spin(threads),
+        Some(Command::Bench(BenchCommand::Spin { threads })) => {
+            commands::spin(usize::from(threads))
+        }
         Some(Command::Bench(BenchCommand::Generate(a))) => {
             let task = commands::bench_rehearsal_task(&a.rehearsal_task)?;
             let model = LocalModel::load(&a.model, a.device)

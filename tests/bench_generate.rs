@@ -218,3 +218,18 @@ fn spin_ends_when_its_input_closes() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_competing_process_of_more_than_256_threads_is_refused() {
+    let o = envace(&[
+        "bench",
+        "generate",
+        "--model",
+        "models/envace-tiny",
+        "--contend",
+        "100000",
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--contend") && err.contains("256"), "{err}");
+}
