@@ -214,3 +214,34 @@ fn out_without_model_is_refused() {
     let e = eval_bfcl(&cli.args, no_model).unwrap_err().to_string();
     assert!(e.contains("--out"), "{e}");
 }
+
+#[test]
+fn two_answers_for_one_entry_are_refused_naming_both_files() {
+    let python = fixture(".cache/bfcl/venv/bin/python", "scripts/fetch-bfcl");
+    let tmp = tempfile::tempdir().unwrap();
+    let line = r#"{"id":"irrelevance_0","calls":[]}"#;
+    let (a, b) = (tmp.path().join("a.jsonl"), tmp.path().join("b.jsonl"));
+    std::fs::write(&a, format!("{line}\n")).unwrap();
+    std::fs::write(&b, format!("{line}\n")).unwrap();
+    let out = Command::new(python)
+        .arg(root().join("scripts/bfcl-conformance"))
+        .arg("--data")
+        .arg(bfcl_data())
+        .args([
+            "--envace",
+            env!("CARGO_BIN_EXE_envace"),
+            "--no-ground-truth",
+        ])
+        .arg("--responses")
+        .arg(&a)
+        .arg("--responses")
+        .arg(&b)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("irrelevance_0") && err.contains("a.jsonl") && err.contains("b.jsonl"),
+        "{err}"
+    );
+}
