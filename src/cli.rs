@@ -419,7 +419,7 @@ pub struct PretrainArgs {
     pub slip_fraction: f64,
     /// Copy drills per task (short conversations that echo train-split entities exactly; a
     /// fraction is a probability: 2.5 = two drills, and a third half the time).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = parse_per_task)]
     pub copy_per_task: f64,
     /// Fraction of simulator examples whose few-shot pool is the task's whole recorded gold run
     /// (the call being simulated included), as in rehearse-mode training: the simulator learns
@@ -440,7 +440,7 @@ pub struct PretrainArgs {
     pub checkpoint_every: usize,
     /// Tool drills per task: episodes with made-up tools (reading a tool list, optional
     /// parameters, parallel calls, requests no tool fits), half with a simulator example.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_per_task)]
     pub tool_drills: f64,
     /// How tool drills name their tools: named (the request's verb_object) or listed (5-14
     /// tools named with synonyms, looked up in the list as on a real MCP server).
@@ -449,7 +449,7 @@ pub struct PretrainArgs {
     /// Calculation drills per task: calculator-style functions, one or two calls, or a request
     /// no listed function fits (the reply declines without a call); half of the one-function
     /// drills also give their declining twin (the same request, that function unlisted).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_per_task)]
     pub calc_drills: f64,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
@@ -711,6 +711,16 @@ impl Default for TuiArgs {
             theme: None,
             device: envace::runtime::DeviceChoice::default(),
         }
+    }
+}
+
+/// A number of drills per task: finite and ≥ 0 (a fraction is a probability).
+fn parse_per_task(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!(
+            "`{s}`: expected a number of drills per task ≥ 0, e.g. 0.5"
+        )),
     }
 }
 

@@ -250,3 +250,21 @@ fn ctrl_c_ends_an_evaluation_as_cancelled_and_exits_130() {
     assert!(n < 50, "the evaluation stopped early ({n} sessions)");
     assert_eq!(cancelled, 1, "the interrupted episode ends as cancelled");
 }
+
+#[test]
+fn a_negative_or_non_finite_drill_rate_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m");
+    for (flag, value) in [
+        ("--calc-drills", "-1"),
+        ("--tool-drills", "NaN"),
+        ("--copy-per-task", "inf"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let o = envace(&["pretrain", "--out", out.to_str().unwrap(), &arg]);
+        assert_eq!(code(&o), Some(2), "{arg}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(flag) && err.contains("≥ 0"), "{arg}: {err}");
+        assert!(!out.exists(), "{arg}: nothing written");
+    }
+}

@@ -27,7 +27,7 @@ use serde_json::{Map, Value, json};
 use crate::env::{ToolAnnotations, ToolSpec};
 use crate::message::{Message, MessageToolCall, ToolCall};
 
-use super::tool_drill::Drill;
+use super::tool_drill::{Drill, shown};
 
 /// How a parameter's value is drawn and typed.
 #[derive(Clone, Copy)]
@@ -380,18 +380,20 @@ fn draw(num: Num, rng: &mut StdRng) -> Value {
     }
 }
 
-/// The text a value takes in a request: numbers as JSON writes them, lists as `3, 9 and 12`.
-fn shown(v: &Value) -> String {
-    match v {
-        Value::Array(a) => {
-            let items: Vec<String> = a.iter().map(|x| x.to_string()).collect();
-            match items.split_last() {
-                Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
-                _ => items.join(""),
-            }
-        }
-        other => other.to_string(),
-    }
+/// A function's description: what [`calc_of`] reads back.
+fn description(calc: &Calc) -> String {
+    format!("Calculate the {}.", calc.what)
+}
+
+/// The calculation a drill's function computes.
+fn calc_of(tool: &ToolSpec) -> Option<&'static Calc> {
+    CALCS.iter().find(|c| tool.description == description(c))
+}
+
+/// Whether what one computes names the other's (`population density` and `density`): a request
+/// for one would be ambiguous beside the other.
+fn overlaps(a: &Calc, b: &Calc) -> bool {
+    a.what.contains(b.what) || b.what.contains(a.what)
 }
 
 fn spec(calc: &Calc, name: String) -> ToolSpec {
@@ -407,7 +409,7 @@ fn spec(calc: &Calc, name: String) -> ToolSpec {
     let required: Vec<&str> = calc.params.iter().map(|p| p.name).collect();
     ToolSpec {
         name,
-        description: format!("Calculate the {}.", calc.what),
+        description: description(calc),
         input_schema: json!({"type": "object", "properties": props, "required": required}),
         annotations: ToolAnnotations {
             read_only: true,
@@ -471,12 +473,7 @@ pub fn calc_drill(seed: u64, system: Option<&str>) -> Drill {
         // Never one whose name contains a listed one's or the reverse (`population density`
         // beside `density`): that request would be ambiguous.
         let unlisted: Vec<usize> = (0..CALCS.len())
-            .filter(|i| {
-                chosen.iter().all(|&c| {
-                    !CALCS[c].what.contains(CALCS[*i].what)
-                        && !CALCS[*i].what.contains(CALCS[c].what)
-                })
-            })
+            .filter(|&i| chosen.iter().all(|&c| !overlaps(&CALCS[c], &CALCS[i])))
             .collect();
         let shares = |i: &usize| {
             CALCS[*i].params.iter().any(|q| {
@@ -604,12 +601,8 @@ pub fn decline_twin(d: &Drill, seed: u64) -> Option<Drill> {
     if d.calls.iter().any(|(c, _)| &c.name != name) {
         return None;
     }
-    let called = d.tools.iter().find(|t| &t.name == name)?;
-    let what = called
-        .description
-        .trim_start_matches("Calculate the ")
-        .trim_end_matches('.')
-        .to_string();
+    let called = calc_of(d.tools.iter().find(|t| &t.name == name)?)?;
+    let what = called.what;
     let mut rng = StdRng::seed_from_u64(seed ^ 0x7477_696e);
     let mut tools: Vec<ToolSpec> = d
         .tools
@@ -621,11 +614,11 @@ pub fn decline_twin(d: &Drill, seed: u64) -> Option<Drill> {
         let listed = |c: &Calc| {
             tools
                 .iter()
-                .any(|t| t.description == format!("Calculate the {}.", c.what))
+                .any(|t| calc_of(t).is_some_and(|l| l.stem == c.stem))
         };
         let fits: Vec<&Calc> = CALCS
             .iter()
-            .filter(|c| !c.what.contains(&what) && !what.contains(c.what) && !listed(c))
+            .filter(|c| !overlaps(c, called) && !listed(c))
             .collect();
         let c = fits.choose(&mut rng)?;
         let at = rng.random_range(0..=tools.len());
@@ -670,8 +663,7 @@ mod tests {
                 // The quantity asked for is computed by no listed function.
                 let user = &d.messages[0].content;
                 for t in &d.tools {
-                    let what = t.description.trim_start_matches("Calculate the ");
-                    let what = what.trim_end_matches('.');
+                    let what = calc_of(t).expect("a calculation").what;
                     assert!(!user.contains(&format!(" {what} ")), "{user} / {what}");
                 }
                 continue;

@@ -4,7 +4,7 @@
 //! the texts come from its children: `text` (rendering with trained segments), `episodes` (a
 //! task's gold run: simulator pools, slipped calls, rehearsal-memory examples), `drills` (copy
 //! drills, tool drills, calculation drills), [`tool_drill`] (made-up tools) and [`calc_drill`]
-//! (calculator functions, a third of the requests fitting none); random-entity copies come from
+//! (calculator functions, some requests fitting none); random-entity copies come from
 //! `env::tasks::randomize`, which GRPO's randomized tasks share.
 //!
 //! Corpora are reproducible: the same configuration gives the same texts, and a kind of text
@@ -289,45 +289,40 @@ pub fn corpus(
                 };
                 out.extend(slip_examples(&slip, &mut rng)?);
             }
-            // Whole drills, then one more with the fractional part's probability.
-            let whole = cfg.copy_per_task.max(0.0).floor();
-            // One draw whenever drills are on, as before whole drills existed, so that a corpus
-            // of `--copy-per-task` ≤ 1 is the one the model card's commands produced.
-            let frac = cfg.copy_per_task - whole;
-            let extra = usize::from(cfg.copy_per_task > 0.0 && rng.random::<f64>() < frac);
-            for _ in 0..whole as usize + extra {
+            for _ in 0..drill_count(cfg.copy_per_task, &mut rng) {
                 let seed = rng.random::<u64>();
                 out.push(copy_drill(&t, split, seed, cfg.random_copy_fraction)?);
             }
-            if cfg.tool_drills_per_task > 0.0 {
-                let whole = cfg.tool_drills_per_task.floor();
-                let frac = cfg.tool_drills_per_task - whole;
-                let extra = usize::from(rng.random::<f64>() < frac);
-                for _ in 0..whole as usize + extra {
-                    let seed = rng.random::<u64>();
-                    let with_sim = rng.random::<bool>();
-                    out.extend(tool_drill_texts(
-                        &t,
-                        profile,
-                        seed,
-                        with_sim,
-                        cfg.tool_drill_style,
-                    )?);
-                }
+            for _ in 0..drill_count(cfg.tool_drills_per_task, &mut rng) {
+                let seed = rng.random::<u64>();
+                let with_sim = rng.random::<bool>();
+                out.extend(tool_drill_texts(
+                    &t,
+                    profile,
+                    seed,
+                    with_sim,
+                    cfg.tool_drill_style,
+                )?);
             }
-            // Drawn only when on (earlier corpora keep their draws).
-            if cfg.calc_drills_per_task > 0.0 {
-                let whole = cfg.calc_drills_per_task.floor();
-                let frac = cfg.calc_drills_per_task - whole;
-                let extra = usize::from(rng.random::<f64>() < frac);
-                for _ in 0..whole as usize + extra {
-                    let seed = rng.random::<u64>();
-                    out.extend(calc_drill_texts(&t, seed, CALC_TWINS)?);
-                }
+            for _ in 0..drill_count(cfg.calc_drills_per_task, &mut rng) {
+                let seed = rng.random::<u64>();
+                out.extend(calc_drill_texts(&t, seed, CALC_TWINS)?);
             }
         }
     }
     Ok(out)
+}
+
+/// How many drills of a kind one task gets at `per_task` drills per task: the whole part, and
+/// one more with the fractional part's probability (2.5 = two, and a third half the time). One
+/// draw whenever the kind is on, even at a whole number, and none when it is off: the draws
+/// every earlier corpus was built with (the model cards' commands reproduce).
+fn drill_count(per_task: f64, rng: &mut StdRng) -> usize {
+    if per_task <= 0.0 || !per_task.is_finite() {
+        return 0;
+    }
+    let whole = per_task.floor();
+    whole as usize + usize::from(rng.random::<f64>() < per_task - whole)
 }
 
 /// Whether this simulator example sees the whole recorded run (one draw, only when the fraction

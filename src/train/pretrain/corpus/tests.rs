@@ -28,6 +28,11 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
     }
 }
 
+/// The bank domain's train-split corpus in the compact profile.
+fn bank_train(c: &CorpusConfig) -> Vec<Segmented> {
+    corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), c).unwrap()
+}
+
 /// (prompt, trained result JSON) of every simulator text.
 fn sim_pairs(texts: &[Segmented]) -> Vec<(String, String)> {
     texts
@@ -244,19 +249,13 @@ fn copy_drills_echo_train_split_entities() {
 
 #[test]
 fn tool_drills_add_mcp_style_actor_and_simulator_texts_in_the_chosen_template() {
-    let plain = corpus(
-        &[Domain::Bank],
-        Split::Train,
-        &PromptProfile::compact(),
-        &cfg(0.0),
-    )
-    .unwrap();
+    let plain = bank_train(&cfg(0.0));
     let c = CorpusConfig {
         tool_drills_per_task: 1.0,
         template: CorpusTemplate::CompactV2,
         ..cfg(0.0)
     };
-    let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let texts = bank_train(&c);
     // One actor drill per task (its system prompt names the made-up `mcp:` server), and a
     // simulator text (whose prompt has no system message) for about half of those with a
     // call.
@@ -284,19 +283,13 @@ fn tool_drills_add_mcp_style_actor_and_simulator_texts_in_the_chosen_template() 
 
 #[test]
 fn calc_drills_add_actor_texts_and_declining_twins() {
-    let plain = corpus(
-        &[Domain::Bank],
-        Split::Train,
-        &PromptProfile::compact(),
-        &cfg(0.0),
-    )
-    .unwrap();
+    let plain = bank_train(&cfg(0.0));
     let c = CorpusConfig {
         calc_drills_per_task: 2.0,
         template: CorpusTemplate::CompactV2,
         ..cfg(0.0)
     };
-    let texts = corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), &c).unwrap();
+    let texts = bank_train(&c);
     let is_calc = |t: &Segmented| {
         let x = t.text();
         x.contains("None of the available functions") || x.contains("{\"result\":")
@@ -472,12 +465,7 @@ fn kind_weights_add_fresh_train_tasks_of_those_kinds_only() {
     assert_eq!(ids.len(), more.len(), "no task twice");
     assert!(more.iter().all(|t| t.split == Some(Split::Train)));
     // More texts, from the added tasks.
-    let texts = |c: &CorpusConfig| {
-        corpus(&[Domain::Bank], Split::Train, &PromptProfile::compact(), c)
-            .unwrap()
-            .len()
-    };
-    assert!(texts(&w) > texts(&c));
+    assert!(bank_train(&w).len() > bank_train(&c).len());
     assert_eq!(unknown_kinds(&[Domain::Bank], &w), Vec::<String>::new());
     w.kind_weights.insert("pay_if_enugh".into(), 2.0);
     assert_eq!(unknown_kinds(&[Domain::Bank], &w), ["pay_if_enugh"]);

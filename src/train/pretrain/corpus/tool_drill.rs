@@ -290,10 +290,18 @@ fn json_type(kind: Kind) -> &'static str {
     }
 }
 
-/// The text a value takes in a request.
-fn shown(v: &Value) -> String {
+/// The text a value takes in a request: strings bare, numbers as JSON writes them, lists as
+/// `3, 9 and 12`.
+pub(super) fn shown(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
+        Value::Array(a) => {
+            let items: Vec<String> = a.iter().map(shown).collect();
+            match items.split_last() {
+                Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+                _ => items.join(""),
+            }
+        }
         other => other.to_string(),
     }
 }
