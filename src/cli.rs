@@ -435,6 +435,11 @@ pub struct PretrainArgs {
     /// are all replaced by random letter strings (copying unseen values inside real tasks).
     #[arg(long, default_value_t = 0.0)]
     pub random_entities: f64,
+    /// What --random-entities puts in: letters (random letter strings) or words (payees and
+    /// items become real nouns, which a tokenizer splits differently inside a JSON string than
+    /// after a space; names and places stay letter strings).
+    #[arg(long, value_enum, default_value = "letters")]
+    pub entity_style: envace::train::pretrain::EntityStyle,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,

@@ -245,6 +245,10 @@ fn mcp_run_config(
 
 pub async fn run(a: RunArgs) -> Result<()> {
     let config = episode_config(&a.mode)?;
+    envace::runtime::openai::refuse_remote_constraint(
+        &a.model.to_string_lossy(),
+        a.mode.constrain_tools,
+    )?;
     let (model, profile) = load_model(&a.model, a.mode.device)?;
     let policy = Policy {
         model: &model,
@@ -349,6 +353,10 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         other => bail!("--split: `{other}` (train or test)"),
     };
     let config = episode_config(&a.mode)?;
+    envace::runtime::openai::refuse_remote_constraint(
+        &a.model.to_string_lossy(),
+        a.mode.constrain_tools,
+    )?;
     let (model, profile) = load_model(&a.model, a.mode.device)?;
     let dir: PathBuf = match &a.sessions {
         Some(d) => d.clone(),

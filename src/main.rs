@@ -228,6 +228,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.recorded_fraction = a.recorded_fraction;
     cfg.corpus.random_copy_fraction = a.random_copy;
     cfg.corpus.random_entity_fraction = a.random_entities;
+    cfg.corpus.random_entity_style = a.entity_style;
     cfg.corpus.tool_drills_per_task = a.tool_drills;
     cfg.corpus.tool_drill_style = a.tool_drill_style;
     cfg.corpus.calc_drills_per_task = a.calc_drills;

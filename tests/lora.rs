@@ -14,7 +14,7 @@ use envace::runtime::config::Family;
 use envace::runtime::decoder::{Decoder, LogitsAt, Pass, Weight};
 use envace::runtime::fixture::write_tiny_checkpoint;
 use envace::runtime::tokenizer::Tokenizer;
-use envace::runtime::{CancelToken, LocalModel};
+use envace::runtime::{CancelToken, DeviceChoice, LocalModel};
 use envace::train::checkpoint::load_for_resume;
 use envace::train::data::{SessionDataOptions, expand_glob, session_examples};
 use envace::train::lora::{LoraConfig, merge_adapter};
@@ -373,6 +373,66 @@ fn lora_checkpoints_use_peft_names_and_config_and_resume_bit_for_bit() {
     std::fs::write(fin.join("adapter_model.safetensors"), &w[..w.len() / 2]).unwrap();
     let e = load_for_resume(&fin, &Device::Cpu).unwrap_err().to_string();
     assert!(e.contains("adapter_model.safetensors"), "{e}");
+}
+
+/// An adapter records the sha256 of the base it was trained on (`envace_base.json`); loaded on
+/// another file at the base's path it is refused, naming the record and both hashes, by the
+/// inference loader and by training alike. Without the record (PEFT's adapters) nothing is
+/// checked.
+#[test]
+fn an_adapter_on_a_base_other_than_its_own_is_refused() {
+    let dir = base_dir();
+    let base = dir.path().join("base");
+    let tok = base.join("tokenizer.json");
+    let cfg = LoraConfig::new(4, Some(8.0), "", 0).unwrap();
+    let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
+    let out = dir.path().join("run");
+    run_sft(
+        &m,
+        &examples(),
+        &sft_cfg(1),
+        &tok,
+        Some(&out),
+        None,
+        &mut MemorySink::default(),
+        &CancelToken::new(),
+    )
+    .unwrap();
+    let fin = out.join("final");
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fin.join("envace_base.json")).unwrap())
+            .unwrap();
+    let hash = envace::runtime::loader::base_hash(&base).unwrap();
+    assert_eq!(record["sha256"], hash.as_str());
+    // Its own base: loads, for inference and for training.
+    let own = LocalModel::load(&fin, DeviceChoice::Cpu).unwrap();
+    drop(own);
+    TrainableModel::load(&fin, &Device::Cpu).unwrap();
+    // Another base at the same path (one weight changed).
+    let weights = base.join("model.safetensors");
+    let mut t = file_tensors(&weights);
+    let name = t.keys().next().unwrap().clone();
+    let bumped = (t[&name].clone() + 1.0).unwrap();
+    t.insert(name, bumped);
+    candle_core::safetensors::save(&t, &weights).unwrap();
+    let other = envace::runtime::loader::base_hash(&base).unwrap();
+    assert_ne!(other, hash);
+    for e in [
+        LocalModel::load(&fin, DeviceChoice::Cpu).unwrap_err(),
+        TrainableModel::load(&fin, &Device::Cpu).unwrap_err(),
+    ] {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("envace_base.json")
+                && msg.contains("sha256")
+                && msg.contains(&hash)
+                && msg.contains(&other),
+            "{msg}"
+        );
+    }
+    // Without the record the adapter loads (as PEFT's do).
+    std::fs::remove_file(fin.join("envace_base.json")).unwrap();
+    LocalModel::load(&fin, DeviceChoice::Cpu).unwrap();
 }
 
 #[test]

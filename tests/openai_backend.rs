@@ -321,6 +321,30 @@ fn chat_backend_plays_an_episode_and_records_the_backend() {
         stderr.contains("--constrain-tools") && stderr.contains(&server.url()),
         "{stderr}"
     );
+    // Refused when the command starts: no session was begun.
+    assert!(!dir.path().join("c.jsonl").exists(), "{stderr}");
+    let sessions = dir.path().join("eval-sessions");
+    let o = envace(&[
+        "eval",
+        "--model",
+        &spec,
+        "--env",
+        "bank",
+        "--split",
+        "test",
+        "--limit",
+        "1",
+        "--constrain-tools",
+        "--sessions",
+        sessions.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!matches!(o.status.code(), Some(0 | 1)), "{stderr}");
+    assert!(
+        stderr.contains("--constrain-tools") && stderr.contains(&server.url()),
+        "{stderr}"
+    );
+    assert!(!sessions.exists(), "{stderr}");
 }
 
 #[test]

@@ -477,3 +477,47 @@ fn a_version_1_session_still_reads_and_gives_its_configuration() {
     assert_eq!(pr.branches, 2);
     assert_eq!(c.max_turns, 8);
 }
+
+/// Sessions are the leaf of the dependency graph (docs/ARCHITECTURE.md): outside its tests,
+/// `src/session/` names nothing of the crate but `message` and `cancel`, so that a reader of
+/// session files needs no engine, environment or runtime.
+#[test]
+fn the_session_module_depends_on_nothing_but_message_and_cancel() {
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    rust_files(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src/session"),
+        &mut files,
+    );
+    assert!(files.len() >= 5, "{files:?}");
+    let mut offending = Vec::new();
+    for f in files.iter().filter(|f| !f.ends_with("tests.rs")) {
+        let text = std::fs::read_to_string(f).unwrap();
+        // Test modules inside a file may use the engine to build their inputs.
+        let code = text.split("#[cfg(test)]").next().unwrap();
+        for (i, line) in code.lines().enumerate() {
+            let mut rest = line;
+            while let Some(at) = rest.find("crate::") {
+                let after = &rest[at + "crate::".len()..];
+                let module: String = after
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if !["message", "cancel", "session"].contains(&module.as_str()) {
+                    offending.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+                }
+                rest = after;
+            }
+        }
+    }
+    assert!(offending.is_empty(), "{offending:#?}");
+}

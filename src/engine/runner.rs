@@ -172,7 +172,11 @@ pub fn header(
     };
     let mref = info
         .as_ref()
-        .map(ModelRef::from)
+        .map(|info| ModelRef {
+            path: info.path.clone(),
+            hash: info.hash.clone(),
+            tool_rendering: Some(info.tool_rendering.as_str().to_string()),
+        })
         .unwrap_or_else(|| ModelRef {
             path: String::new(),
             hash: String::new(),

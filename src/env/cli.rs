@@ -577,10 +577,7 @@ where
         (Some(path), _) => load_responses(path)?,
         (None, Some(model)) => {
             let t0 = Instant::now();
-            let mut responder = load(model, args.max_tokens, &args.device)
-                .map_err(Into::into)
-                .with_context(|| format!("loading model {}", model.display()))?;
-            responder.constrain_tool_names(args.constrain_tools);
+            let mut responder = load_responder(args, model, load)?;
             let quiet = args.json;
             let answered = collect_responses(
                 &entries,
@@ -604,6 +601,27 @@ where
     let report = evaluate(&entries, &args.category, &responses);
     fill_report(&mut v, &report)?;
     Ok(v)
+}
+
+/// `--model`'s responder for `eval bfcl`, with `--constrain-tools` applied (refused for a served
+/// model before anything is loaded).
+fn load_responder<E>(
+    args: &BfclEvalArgs,
+    model: &std::path::Path,
+    load: BfclModelLoader<'_, E>,
+) -> Result<Box<dyn BfclResponder>>
+where
+    E: Into<anyhow::Error>,
+{
+    crate::runtime::openai::refuse_remote_constraint(
+        &model.to_string_lossy(),
+        args.constrain_tools,
+    )?;
+    let mut responder = load(model, args.max_tokens, &args.device)
+        .map_err(Into::into)
+        .with_context(|| format!("loading model {}", model.display()))?;
+    responder.constrain_tool_names(args.constrain_tools);
+    Ok(responder)
 }
 
 fn fill_report(v: &mut Value, report: &BfclReport) -> Result<()> {
@@ -637,10 +655,7 @@ where
         (Some(path), _) => load_multi_responses(path)?,
         (None, Some(model)) => {
             let t0 = Instant::now();
-            let mut responder = load(model, args.max_tokens, &args.device)
-                .map_err(Into::into)
-                .with_context(|| format!("loading model {}", model.display()))?;
-            responder.constrain_tool_names(args.constrain_tools);
+            let mut responder = load_responder(args, model, load)?;
             let quiet = args.json;
             let answered = collect_multi_responses(
                 &entries,

@@ -18,8 +18,8 @@ use super::decoder::Decoder;
 use super::device::{DeviceChoice, default_dtype, describe};
 use super::generate::{GenContext, Prefix, generate_batch};
 use super::loader::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, hash_files,
-    is_adapter_dir, load_gguf, load_hf, read_adapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, check_base,
+    hash_files, is_adapter_dir, load_gguf, load_hf, read_adapter,
 };
 use super::tokenizer::Tokenizer;
 use crate::message::Message;
@@ -93,9 +93,7 @@ impl LocalModel {
         let mut eos_ids = decoder.cfg.eos_token_ids.clone();
         let eos = template.eos_token.clone();
         add_eos(&mut eos_ids, &tokenizer, &eos);
-        let mut weights = files.weights.clone();
-        weights.push(files.config.clone());
-        let hash = hash_files(&weights)?;
+        let hash = hash_files(&files.hashed())?;
         Self::finish(
             decoder,
             tokenizer,
@@ -125,6 +123,7 @@ impl LocalModel {
             });
         }
         let mut model = Self::load_on(&base_dir, device, dtype)?;
+        check_base(dir, &base_dir, &model.hash)?;
         // An adapter trained with its own chat template (as `envace pretrain --lora` writes
         // one beside it) speaks that template, not the base's.
         if let Some(template) = template_in_dir(dir)? {

@@ -38,16 +38,6 @@ pub struct ModelRef {
     pub tool_rendering: Option<String>,
 }
 
-impl From<&crate::runtime::ModelInfo> for ModelRef {
-    fn from(info: &crate::runtime::ModelInfo) -> Self {
-        Self {
-            path: info.path.clone(),
-            hash: info.hash.clone(),
-            tool_rendering: Some(info.tool_rendering.as_str().to_string()),
-        }
-    }
-}
-
 /// Where a forked session came from: the original session and the main-line event the fork
 /// continues after.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

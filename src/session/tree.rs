@@ -126,7 +126,7 @@ pub fn apply_approval_edits(
     for &i in indices {
         if let Some(EventBody::Approval {
             call_id,
-            decision: crate::engine::types::Decision::ApproveEdited { arguments },
+            decision: super::format::Decision::ApproveEdited { arguments },
         }) = events.get(i).map(|e| &e.event)
         {
             for m in messages.iter_mut() {

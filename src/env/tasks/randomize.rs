@@ -5,14 +5,19 @@
 //! ([`with_random_entities`]) and a whole task for GRPO ([`randomized_task`]: a new id,
 //! validated like a task file, refused when its gold run no longer replays).
 //!
-//! A replacement is never a test- or train-pool value, nor a word already in the text.
+//! A replacement is never a test- or train-pool value, nor a word already in the text. Lower
+//! case values (payees, items) may instead be replaced by real English nouns
+//! ([`EntityStyle::Words`]): a tokenizer splits a real word differently inside a JSON string
+//! than after a space (SmolLM2: ` tailor` is one token, `"tailor` is `tail`+`or`), which letter
+//! strings never practise.
 
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use crate::env::ToolResponse;
 use crate::env::tasks::{Task, validate_task};
-use crate::message::Message;
+use crate::message::{Message, Role};
 
 /// Why a randomized copy could not be made.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -43,6 +48,207 @@ pub(crate) enum RandomizeError {
     },
 }
 
+/// What a random entity looks like.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum EntityStyle {
+    /// Random letter strings (`Qevorl`, `tusk`) for every value.
+    #[default]
+    Letters,
+    /// Payees and items become real nouns ([`PAYEE_NOUNS`], [`ITEM_NOUNS`]); names and places
+    /// (capitalised) stay letter strings. System prompts are kept as they are.
+    Words,
+}
+
+/// Real lower-case nouns for [`EntityStyle::Words`] in place of a payee: trades and shops,
+/// none of them a train- or test-pool value (a test checks).
+pub(crate) const PAYEE_NOUNS: &[&str] = &[
+    "carpenter",
+    "jeweller",
+    "cobbler",
+    "mechanic",
+    "locksmith",
+    "tutor",
+    "courier",
+    "caterer",
+    "painter",
+    "electrician",
+    "glazier",
+    "roofer",
+    "gardener",
+    "cleaner",
+    "notary",
+    "lawyer",
+    "accountant",
+    "architect",
+    "surveyor",
+    "farmer",
+    "fishmonger",
+    "greengrocer",
+    "baker",
+    "brewery",
+    "winery",
+    "deli",
+    "diner",
+    "canteen",
+    "salon",
+    "clinic",
+    "hospital",
+    "school",
+    "nursery",
+    "kennel",
+    "cattery",
+    "marina",
+    "station",
+    "pharmacist",
+    "stationer",
+    "ironmonger",
+    "tobacconist",
+    "newsagent",
+    "upholsterer",
+    "saddler",
+    "potter",
+    "weaver",
+    "framer",
+    "engraver",
+    "hairdresser",
+    "masseur",
+    "physio",
+    "surgeon",
+    "midwife",
+    "chiropodist",
+    "veterinarian",
+    "chauffeur",
+    "porter",
+    "landlord",
+    "council",
+    "charity",
+    "boutique",
+    "creamery",
+    "foundry",
+    "garden centre",
+    "hardware store",
+    "launderette",
+    "workshop",
+];
+
+/// Real lower-case nouns for [`EntityStyle::Words`] in place of an item: household things,
+/// none of them a train- or test-pool value (a test checks).
+pub(crate) const ITEM_NOUNS: &[&str] = &[
+    "spoon",
+    "fork",
+    "knife",
+    "teapot",
+    "saucepan",
+    "skillet",
+    "colander",
+    "whisk",
+    "grater",
+    "blanket",
+    "curtain",
+    "mattress",
+    "wardrobe",
+    "cabinet",
+    "drawer",
+    "cushion",
+    "duvet",
+    "carpet",
+    "doormat",
+    "umbrella",
+    "jacket",
+    "sweater",
+    "glove",
+    "sock",
+    "sandal",
+    "sneaker",
+    "wallet",
+    "backpack",
+    "suitcase",
+    "notebook",
+    "pencil",
+    "stapler",
+    "monitor",
+    "keyboard",
+    "speaker",
+    "headset",
+    "charger",
+    "cable",
+    "battery",
+    "torch",
+    "lantern",
+    "shovel",
+    "rake",
+    "hose",
+    "wrench",
+    "screwdriver",
+    "saw",
+    "chisel",
+    "pliers",
+    "glue",
+    "paint",
+    "easel",
+    "canvas",
+    "guitar",
+    "violin",
+    "drum",
+    "piano",
+    "trumpet",
+    "flute",
+    "bicycle",
+    "scooter",
+    "skateboard",
+    "kayak",
+    "paddle",
+    "compass",
+    "binoculars",
+    "telescope",
+    "microscope",
+    "camera",
+    "tripod",
+    "album",
+    "puzzle",
+    "kite",
+    "marble",
+    "chessboard",
+    "dartboard",
+    "trophy",
+    "medal",
+    "badge",
+    "ribbon",
+    "button",
+    "zipper",
+    "thimble",
+    "needle",
+    "thread",
+    "yarn",
+    "loom",
+    "kiln",
+    "anvil",
+    "barrel",
+    "crate",
+    "pallet",
+    "trolley",
+    "wagon",
+    "sled",
+    "canoe",
+    "hammock",
+    "toolbox",
+    "thermos",
+    "kettlebell",
+    "dumbbell",
+    "treadmill",
+];
+
 /// A random letter string of 3-8 letters (first letter upper case if `capital`), never a
 /// test-pool value.
 pub(crate) fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
@@ -67,10 +273,30 @@ pub(crate) fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
 pub(crate) fn with_random_entities(
     msgs: &[Message],
     seed: u64,
+    style: EntityStyle,
 ) -> Result<Vec<Message>, RandomizeError> {
-    let text = serde_json::to_string(msgs).map_err(|e| RandomizeError::Messages(e.to_string()))?;
-    serde_json::from_str(&randomize_pool_words(&text, seed))
-        .map_err(|e| RandomizeError::Messages(e.to_string()))
+    let err = |e: serde_json::Error| RandomizeError::Messages(e.to_string());
+    if style == EntityStyle::Letters {
+        // The whole conversation, system prompt included (`the bank desk` → `the bank Qevorl`):
+        // kept so that the corpora of earlier commands reproduce.
+        let text = serde_json::to_string(msgs).map_err(err)?;
+        return serde_json::from_str(&randomize_pool_words(&text, seed, style)).map_err(err);
+    }
+    // The system prompt names no entity (`desk` in "the bank desk" is not the item).
+    let rest: Vec<&Message> = msgs.iter().filter(|m| m.role != Role::System).collect();
+    let text = serde_json::to_string(&rest).map_err(err)?;
+    let mut new: std::vec::IntoIter<Message> =
+        serde_json::from_str::<Vec<Message>>(&randomize_pool_words(&text, seed, style))
+            .map_err(err)?
+            .into_iter();
+    msgs.iter()
+        .map(|m| match m.role {
+            Role::System => Ok(m.clone()),
+            _ => new
+                .next()
+                .ok_or_else(|| RandomizeError::Messages("a message was lost".into())),
+        })
+        .collect()
 }
 
 /// A copy of `task` with every train-split pool value (names, places, payees, items) replaced
@@ -81,7 +307,7 @@ pub(crate) fn randomized_task(task: &Task, seed: u64) -> Result<Task, RandomizeE
         task: task.id.clone(),
         message: e.to_string(),
     })?;
-    let randomized = randomize_pool_words(&text, seed);
+    let randomized = randomize_pool_words(&text, seed, EntityStyle::Letters);
     if randomized == text {
         // Only ids and amounts: nothing to randomize, the task plays as it is.
         return Ok(task.clone());
@@ -121,12 +347,16 @@ pub(crate) fn randomized_task(task: &Task, seed: u64) -> Result<Task, RandomizeE
 
 /// `text` with every train-split pool value that occurs as a whole word replaced by a random
 /// letter string (the same one at every occurrence, capitalised like the original, never a
-/// test- or train-pool value nor a word already in the text), seeded. Shared by the pretraining corpus and GRPO's randomized tasks.
-fn randomize_pool_words(text: &str, seed: u64) -> String {
+/// test- or train-pool value nor a word already in the text), seeded; with
+/// [`EntityStyle::Words`] a payee or an item becomes a noun of [`PAYEE_NOUNS`] or [`ITEM_NOUNS`]
+/// instead (a letter string when every noun is taken). Shared by the pretraining corpus and GRPO's randomized
+/// tasks.
+fn randomize_pool_words(text: &str, seed: u64, style: EntityStyle) -> String {
     let mut text = text.to_string();
     let mut rng = StdRng::seed_from_u64(seed);
     // Longest first, so that `Anna` is replaced before a shorter value could match inside it.
     let pool = crate::env::domains::train_pool_values();
+    let payees = crate::env::domains::Pools::new(crate::env::tasks::Split::Train).payees;
     let mut values = pool.clone();
     values.sort_by_key(|v| std::cmp::Reverse(v.len()));
     for v in values {
@@ -136,11 +366,31 @@ fn randomize_pool_words(text: &str, seed: u64) -> String {
         let capital = v.chars().next().is_some_and(char::is_uppercase);
         // A replacement that is already a word of the text (another entity's replacement, a
         // JSON key, a pool value still to come) would merge two things into one.
-        let new = loop {
-            let w = random_word_styled(&mut rng, capital);
-            if find_word(&text, &w).is_none() && !pool.contains(&w.as_str()) {
-                break w;
-            }
+        let free = |w: &str| {
+            find_word(&text, w).is_none()
+                && !pool.contains(&w)
+                && !crate::env::domains::in_test_pools(w)
+        };
+        let noun = if style == EntityStyle::Words && !capital {
+            let list = if payees.contains(&v) {
+                PAYEE_NOUNS
+            } else {
+                ITEM_NOUNS
+            };
+            let mut nouns: Vec<&str> = list.iter().copied().filter(|w| free(w)).collect();
+            nouns.shuffle(&mut rng);
+            nouns.first().map(|w| w.to_string())
+        } else {
+            None
+        };
+        let new = match noun {
+            Some(w) => w,
+            None => loop {
+                let w = random_word_styled(&mut rng, capital);
+                if free(&w) {
+                    break w;
+                }
+            },
         };
         text = replace_words(&text, v, &new);
     }

@@ -7,6 +7,9 @@ use super::*;
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// A PEFT adapter's weights.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// Beside an adapter envace trained: the sha256 of the base it was trained on (PEFT's own
+/// `adapter_config.json` refuses keys it does not know, so the record is a file of its own).
+pub const ADAPTER_BASE: &str = "envace_base.json";
 /// The prefix PEFT gives every tensor of a causal LM's adapter.
 const PEFT_PREFIX: &str = "base_model.model.";
 
@@ -284,4 +287,49 @@ pub fn attach_adapter(
         ));
     }
     Ok(adapted)
+}
+
+/// sha256 of a base model's weights, as a loaded model's `hash` has it: a `.gguf` file, or an
+/// HF checkpoint directory's weight files and `config.json`.
+pub fn base_hash(base: &Path) -> Result<String, RuntimeError> {
+    if base.is_file() {
+        return hash_files(&[base.to_path_buf()]);
+    }
+    hash_files(&CheckpointFiles::locate(base)?.hashed())
+}
+
+/// Record the base an adapter was trained on (`DIR/envace_base.json`).
+pub fn base_record(base: &Path, sha256: &str) -> Value {
+    serde_json::json!({"base": base.display().to_string(), "sha256": sha256})
+}
+
+/// Refuse an adapter whose recorded base (`DIR/envace_base.json`, when present) is not the one
+/// at `base` now (`hash`: its sha256): the adapter's weights are deltas on the weights it was
+/// trained with, and on other ones they give a different model without any error. Adapters
+/// without the record (PEFT's, older envace ones) are not checked.
+pub fn check_base(dir: &Path, base: &Path, hash: &str) -> Result<(), RuntimeError> {
+    let path = dir.join(ADAPTER_BASE);
+    if !path.is_file() {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| file_err(&path, e.to_string()))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| file_err(&path, e.to_string()))?;
+    let Some(want) = v.get("sha256").and_then(Value::as_str) else {
+        return Err(RuntimeError::Field {
+            path: path.display().to_string(),
+            field: "sha256".into(),
+            message: "missing (a hex string)".into(),
+        });
+    };
+    if want != hash {
+        return Err(RuntimeError::Field {
+            path: path.display().to_string(),
+            field: "sha256".into(),
+            message: format!(
+                "the adapter was trained on a base with sha256 {want}, but {} has {hash}: another file at that path (re-quantized, re-downloaded?); point base_model_name_or_path in {ADAPTER_CONFIG} at the base it was trained on",
+                base.display()
+            ),
+        });
+    }
+    Ok(())
 }

@@ -124,6 +124,15 @@ impl CheckpointFiles {
     }
 }
 
+impl CheckpointFiles {
+    /// The files a checkpoint's hash covers: its weights and `config.json`.
+    pub fn hashed(&self) -> Vec<PathBuf> {
+        let mut v = self.weights.clone();
+        v.push(self.config.clone());
+        v
+    }
+}
+
 /// sha256 of a set of files, hex.
 pub fn hash_files(paths: &[PathBuf]) -> Result<String, RuntimeError> {
     let mut h = Sha256::new();

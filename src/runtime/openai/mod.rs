@@ -53,6 +53,20 @@ pub fn is_remote(spec: &str) -> bool {
     spec.starts_with(SCHEME)
 }
 
+/// Refuses `--constrain-tools` for a served model when the command starts, before a session is
+/// written: the constraint is enforced token by token in the local decoder, and a server is sent
+/// no such thing ([`RemoteModel`] refuses it again at each generation, for callers that set it
+/// later, as the TUI's Run form).
+pub fn refuse_remote_constraint(spec: &str, constrain: bool) -> Result<(), RuntimeError> {
+    if !constrain || !is_remote(spec) {
+        return Ok(());
+    }
+    let url = RemoteSpec::parse(spec)?.base_url;
+    Err(RuntimeError::Generation(format!(
+        "{url}: constrained tool names (--constrain-tools) need a local model; a served model cannot enforce them"
+    )))
+}
+
 pub struct RemoteModel {
     spec: RemoteSpec,
     model_name: String,

@@ -23,6 +23,7 @@ use crate::engine::prompts::actor::tools_json;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::engine::spec::gold_conversation;
 use crate::env::domains::Domain;
+pub use crate::env::tasks::randomize::EntityStyle;
 use crate::env::tasks::randomize::with_random_entities;
 use crate::env::tasks::{Split, Task, generate_tasks, list_tasks};
 use crate::runtime::chat_template::{
@@ -87,6 +88,9 @@ pub struct CorpusConfig {
     /// happens in, on values no model can have memorised.
     #[serde(default)]
     pub random_entity_fraction: f64,
+    /// What the random entities look like: letter strings, or (lower-case values) real nouns.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub random_entity_style: EntityStyle,
     /// Tool drills per task (see [`tool_drill`]; a fraction is a probability): episodes
     /// with made-up tools, so that the model learns to read a tool list, not only the built-in
     /// domains' tools. Half of them also give a simulator example.
@@ -122,6 +126,10 @@ fn is_zero(x: &f64) -> bool {
     *x == 0.0
 }
 
+fn is_default<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
+}
+
 /// Which compact template a model trained here speaks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -153,6 +161,7 @@ impl Default for CorpusConfig {
             recorded_fraction: 0.0,
             random_copy_fraction: 0.0,
             random_entity_fraction: 0.0,
+            random_entity_style: EntityStyle::Letters,
             tool_drills_per_task: 0.0,
             tool_drill_style: Default::default(),
             calc_drills_per_task: 0.0,
@@ -244,7 +253,7 @@ pub fn corpus(
             if cfg.random_entity_fraction > 0.0 && rng.random::<f64>() < cfg.random_entity_fraction
             {
                 let seed = rng.random::<u64>();
-                let randomized = with_random_entities(&msgs, seed)
+                let randomized = with_random_entities(&msgs, seed, cfg.random_entity_style)
                     .map_err(|e| TrainError::Data(e.to_string()))?;
                 out.push(actor_text(&t, &randomized, &tj)?);
             }

@@ -19,6 +19,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         recorded_fraction: 0.0,
         random_copy_fraction: 0.0,
         random_entity_fraction: 0.0,
+        random_entity_style: EntityStyle::Letters,
         tool_drills_per_task: 0.0,
         tool_drill_style: Default::default(),
         calc_drills_per_task: 0.0,
@@ -398,6 +399,83 @@ fn random_entities_replace_every_occurrence_and_keep_the_conversation_consistent
     assert_eq!(
         replace_words("Ann met Anna; Ann_x, Ann.", "Ann", "Qo"),
         "Qo met Anna; Ann_x, Qo."
+    );
+}
+
+#[test]
+fn word_entities_put_real_nouns_for_payees_and_items_and_letters_for_names() {
+    use crate::env::tasks::randomize::{ITEM_NOUNS, PAYEE_NOUNS};
+    let pools = crate::env::domains::train_pool_values();
+    let all: Vec<&str> = PAYEE_NOUNS.iter().chain(ITEM_NOUNS).copied().collect();
+    for w in &all {
+        assert!(!pools.contains(w), "{w} is a train-pool value");
+        assert!(
+            !crate::env::domains::in_test_pools(w),
+            "{w} is a test-pool value"
+        );
+        assert!(w.chars().all(|c| c.is_ascii_lowercase() || c == ' '), "{w}");
+    }
+    let mut sorted = all.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), all.len(), "a noun is listed twice");
+    let letters = CorpusConfig {
+        random_entity_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let words = CorpusConfig {
+        random_entity_style: EntityStyle::Words,
+        ..letters.clone()
+    };
+    let both = |c: &CorpusConfig| {
+        corpus(
+            &[Domain::Bank, Domain::Retail],
+            Split::Train,
+            &PromptProfile::compact(),
+            c,
+        )
+        .unwrap()
+    };
+    let (a, b) = (both(&letters), both(&words));
+    assert_ne!(a, b);
+    // The same draws: the same texts in the same order, only the replacements differ.
+    assert_eq!(a.len(), b.len());
+    let mut nouns_seen = 0;
+    let mut payments = 0;
+    for (x, y) in a.iter().zip(&b) {
+        let (x, y) = (x.text(), y.text());
+        if x == y {
+            continue;
+        }
+        // A card payment's payee: the same noun in the request and in the call.
+        // The system prompt is kept (`desk` there is not the item).
+        assert!(
+            !y.contains("You are the bank") || y.contains("You are the bank desk"),
+            "{y}"
+        );
+        let key = "\"payee\": \"";
+        if let Some(i) = y.find(key) {
+            let rest = &y[i + key.len()..];
+            let payee = &rest[..rest.find('"').unwrap()];
+            payments += 1;
+            assert!(PAYEE_NOUNS.contains(&payee), "payee {payee} in {y}");
+            assert!(y.contains(&format!("to the {payee}")), "{y}");
+        }
+        nouns_seen += all.iter().filter(|w| find_word(&y, w).is_some()).count();
+        // The letters copy replaced the same values: the texts differ only in replacements.
+        assert_ne!(x, y);
+    }
+    assert!(payments >= 3, "{payments} randomized payments");
+    let items = b
+        .iter()
+        .filter(|t| ITEM_NOUNS.iter().any(|w| find_word(&t.text(), w).is_some()))
+        .count();
+    assert!(items >= 5, "{items} texts with an item noun");
+    assert!(nouns_seen >= 10, "{nouns_seen} nouns");
+    // Letters never put a noun for a payee.
+    assert!(
+        a.iter()
+            .all(|t| !t.text().contains("\"payee\": \"carpenter\""))
     );
 }
 
