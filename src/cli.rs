@@ -567,6 +567,10 @@ pub struct TrainArgs {
     /// reward depends on copying values that cannot be recalled (0 = off).
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub random_entities: f64,
+    /// What --random-entities puts in: letters (random letter strings) or words (payees and
+    /// items become real nouns; names and places stay letter strings).
+    #[arg(long, value_enum, default_value = "letters")]
+    pub entity_style: envace::train::pretrain::EntityStyle,
     /// Scale of negative advantages in the policy loss (1 = GRPO as specified, 0 = learn from
     /// better-than-baseline rows only).
     #[arg(long, default_value_t = 1.0, value_name = "W")]

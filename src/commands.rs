@@ -614,6 +614,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         epochs: a.epochs,
         frozen: a.freeze.clone(),
         random_entities: a.random_entities,
+        entity_style: a.entity_style,
         task_limit: a.limit,
         task_ids: a.tasks.clone(),
         negative_weight: a.negative_weight,

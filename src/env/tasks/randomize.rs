@@ -300,14 +300,19 @@ pub(crate) fn with_random_entities(
 }
 
 /// A copy of `task` with every train-split pool value (names, places, payees, items) replaced
-/// by a random string wherever it occurs, seeded; validated like a task file, so a copy whose
+/// by a random string (payees and items by real nouns in [`EntityStyle::Words`]) wherever it
+/// occurs, seeded; validated like a task file, so a copy whose
 /// gold run no longer replays is refused rather than played.
-pub(crate) fn randomized_task(task: &Task, seed: u64) -> Result<Task, RandomizeError> {
+pub(crate) fn randomized_task(
+    task: &Task,
+    seed: u64,
+    style: EntityStyle,
+) -> Result<Task, RandomizeError> {
     let text = serde_json::to_string(task).map_err(|e| RandomizeError::Task {
         task: task.id.clone(),
         message: e.to_string(),
     })?;
-    let randomized = randomize_pool_words(&text, seed, EntityStyle::Letters);
+    let randomized = randomize_pool_words(&text, seed, style);
     if randomized == text {
         // Only ids and amounts: nothing to randomize, the task plays as it is.
         return Ok(task.clone());

@@ -110,6 +110,10 @@ pub struct GrpoConfig {
     /// split's held-out values require. The verifier scores the copy like any task.
     #[serde(default)]
     pub random_entities: f64,
+    /// What the random entities look like (`--entity-style`): letter strings, or payees and
+    /// items as real nouns.
+    #[serde(default, skip_serializing_if = "is_letters")]
+    pub entity_style: crate::env::tasks::randomize::EntityStyle,
     /// Train on the first N train tasks of each domain only (None = all of them).
     #[serde(default)]
     pub task_limit: Option<usize>,
@@ -141,6 +145,10 @@ pub struct GrpoConfig {
     /// default.
     #[serde(default)]
     pub mask_copies: bool,
+}
+
+fn is_letters(s: &crate::env::tasks::randomize::EntityStyle) -> bool {
+    *s == crate::env::tasks::randomize::EntityStyle::Letters
 }
 
 fn default_roles() -> Vec<GenRole> {
@@ -192,6 +200,7 @@ impl Default for GrpoConfig {
             rollouts_dir: None,
             frozen: Vec::new(),
             random_entities: 0.0,
+            entity_style: Default::default(),
             task_limit: None,
             task_ids: Vec::new(),
             negative_weight: default_negative_weight(),

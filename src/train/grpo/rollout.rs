@@ -18,6 +18,7 @@ use crate::engine::runner::{
 use crate::engine::spec::task_spec;
 use crate::env::domain_env::DomainEnv;
 use crate::env::domains::Domain;
+use crate::env::tasks::randomize::EntityStyle;
 use crate::env::tasks::{Split, Task, list_tasks};
 use crate::runtime::chat_template::ChatTemplate;
 use crate::runtime::{CancelToken, LocalModel};
@@ -136,7 +137,16 @@ pub fn training_tasks(cfg: &GrpoConfig) -> Result<Vec<&'static Task>, TrainError
 /// by a random string wherever it occurs, seeded; validated like a task file, so a copy whose
 /// gold run no longer replays is refused rather than played.
 pub fn randomized_task(task: &Task, seed: u64) -> Result<Task, TrainError> {
-    crate::env::tasks::randomize::randomized_task(task, seed)
+    randomized_task_styled(task, seed, EntityStyle::Letters)
+}
+
+/// [`randomized_task`] with payees and items as real nouns or letter strings (`style`).
+pub fn randomized_task_styled(
+    task: &Task,
+    seed: u64,
+    style: EntityStyle,
+) -> Result<Task, TrainError> {
+    crate::env::tasks::randomize::randomized_task(task, seed, style)
         .map_err(|e| TrainError::Data(e.to_string()))
 }
 
@@ -152,7 +162,7 @@ fn group_task(cfg: &GrpoConfig, task: &Task, step: usize, ti: usize) -> Result<T
         cfg.seed ^ 0x5EED_0E17_u64.wrapping_mul((step * 1_009 + ti + 1) as u64),
     );
     if rng.random::<f64>() < cfg.random_entities {
-        randomized_task(task, rng.random::<u64>())
+        randomized_task_styled(task, rng.random::<u64>(), cfg.entity_style)
     } else {
         Ok(task.clone())
     }
@@ -371,6 +381,27 @@ mod tests {
         // About half the tasks name someone, somewhere or something (the rest only ids and
         // amounts, which stay).
         assert!(changed * 2 >= total, "{changed} of {total} changed");
+        // Real nouns for payees and items: every card payment still replays, and pays a noun.
+        let mut nouns = 0;
+        for (i, task) in list_tasks(Domain::Bank, Some(Split::Train))
+            .into_iter()
+            .enumerate()
+        {
+            let r = randomized_task_styled(task, i as u64, EntityStyle::Words)
+                .expect("word-randomized task validates");
+            for a in r.gold_actions() {
+                if let Some(p) = a.arguments.get("payee").and_then(|v| v.as_str()) {
+                    assert!(
+                        crate::env::tasks::randomize::PAYEE_NOUNS.contains(&p),
+                        "{}: payee {p}",
+                        r.id
+                    );
+                    assert!(r.turns.iter().any(|t| t.user.contains(&format!("the {p}"))));
+                    nouns += 1;
+                }
+            }
+        }
+        assert!(nouns >= 20, "{nouns} word payees");
         // The fraction is honoured and deterministic.
         let cfg = GrpoConfig {
             random_entities: 0.5,
