@@ -625,6 +625,8 @@ pub fn train(a: TrainArgs) -> Result<()> {
         micro_batch_tokens: a.micro_batch_tokens,
         ..GrpoConfig::default()
     };
+    // Bad settings are refused before the output directory is made.
+    cfg.validate()?;
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let mut sink = JsonlSink::create(&out.join("metrics.jsonl"), a.json)?;
     let report = run_grpo(

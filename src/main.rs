@@ -253,6 +253,9 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
             anyhow::bail!("{flag} {v}: a fraction between 0 and 1");
         }
     }
+    if a.entity_style != envace::train::pretrain::EntityStyle::Letters && a.random_entities == 0.0 {
+        anyhow::bail!("--entity-style shapes the copies of --random-entities F, which is 0");
+    }
     cfg.corpus.seed = a.seed;
     if let Some(r) = a.lora.lora {
         cfg.lora = Some(envace::train::lora::LoraConfig::new(

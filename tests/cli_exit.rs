@@ -268,3 +268,38 @@ fn a_negative_or_non_finite_drill_rate_is_refused_naming_the_flag() {
         assert!(!out.exists(), "{arg}: nothing written");
     }
 }
+
+#[test]
+fn an_entity_style_without_random_entities_is_refused_naming_both_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m");
+    let pretrain = envace(&[
+        "pretrain",
+        "--out",
+        out.to_str().unwrap(),
+        "--entity-style",
+        "words",
+    ]);
+    let train = envace(&[
+        "train",
+        "--model",
+        "models/envace-tiny",
+        "--env",
+        "bank",
+        "--steps",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+        "--entity-style",
+        "words",
+    ]);
+    for o in [pretrain, train] {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(code(&o), Some(2), "{err}");
+        assert!(
+            err.contains("--entity-style") && err.contains("--random-entities"),
+            "{err}"
+        );
+        assert!(!out.exists(), "nothing written: {err}");
+    }
+}

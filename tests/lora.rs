@@ -57,6 +57,23 @@ fn sft_cfg(steps: usize) -> SftConfig {
     }
 }
 
+/// `steps` SFT steps of model `m` on [`examples`] from the tokenizer beside `base`, written to
+/// `out`; returns the final checkpoint directory.
+fn sft_run(m: &TrainableModel, base: &Path, steps: usize, out: &Path) -> PathBuf {
+    run_sft(
+        m,
+        &examples(),
+        &sft_cfg(steps),
+        &base.join("tokenizer.json"),
+        Some(out),
+        None,
+        &mut MemorySink::default(),
+        &CancelToken::new(),
+    )
+    .unwrap();
+    out.join("final")
+}
+
 fn base_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_checkpoint(&dir.path().join("base"), Family::Qwen2, 3).unwrap();
@@ -383,22 +400,9 @@ fn lora_checkpoints_use_peft_names_and_config_and_resume_bit_for_bit() {
 fn an_adapter_on_a_base_other_than_its_own_is_refused() {
     let dir = base_dir();
     let base = dir.path().join("base");
-    let tok = base.join("tokenizer.json");
     let cfg = LoraConfig::new(4, Some(8.0), "", 0).unwrap();
     let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
-    let out = dir.path().join("run");
-    run_sft(
-        &m,
-        &examples(),
-        &sft_cfg(1),
-        &tok,
-        Some(&out),
-        None,
-        &mut MemorySink::default(),
-        &CancelToken::new(),
-    )
-    .unwrap();
-    let fin = out.join("final");
+    let fin = sft_run(&m, &base, 1, &dir.path().join("run"));
     let record: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fin.join("envace_base.json")).unwrap())
             .unwrap();
@@ -417,11 +421,16 @@ fn an_adapter_on_a_base_other_than_its_own_is_refused() {
     candle_core::safetensors::save(&t, &weights).unwrap();
     let other = envace::runtime::loader::base_hash(&base).unwrap();
     assert_ne!(other, hash);
-    for e in [
-        LocalModel::load(&fin, DeviceChoice::Cpu).unwrap_err(),
-        TrainableModel::load(&fin, &Device::Cpu).unwrap_err(),
+    let merged = dir.path().join("merged");
+    for msg in [
+        LocalModel::load(&fin, DeviceChoice::Cpu)
+            .unwrap_err()
+            .to_string(),
+        TrainableModel::load(&fin, &Device::Cpu)
+            .unwrap_err()
+            .to_string(),
+        merge_adapter(&base, &fin, &merged).unwrap_err().to_string(),
     ] {
-        let msg = e.to_string();
         assert!(
             msg.contains("envace_base.json")
                 && msg.contains("sha256")
@@ -430,8 +439,19 @@ fn an_adapter_on_a_base_other_than_its_own_is_refused() {
             "{msg}"
         );
     }
+    assert!(!merged.exists(), "a refused merge writes nothing");
+    // A record that is not a hash is an error naming its file and field.
+    let record_path = fin.join("envace_base.json");
+    std::fs::write(&record_path, r#"{"sha256": "abc"}"#).unwrap();
+    let msg = LocalModel::load(&fin, DeviceChoice::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("envace_base.json") && msg.contains("sha256"),
+        "{msg}"
+    );
     // Without the record the adapter loads (as PEFT's do).
-    std::fs::remove_file(fin.join("envace_base.json")).unwrap();
+    std::fs::remove_file(&record_path).unwrap();
     LocalModel::load(&fin, DeviceChoice::Cpu).unwrap();
 }
 
@@ -441,19 +461,7 @@ fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
     let base = dir.path().join("base");
     let cfg = LoraConfig::new(4, Some(12.0), ALL, 2).unwrap();
     let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
-    let out = dir.path().join("run");
-    run_sft(
-        &m,
-        &examples(),
-        &sft_cfg(8),
-        &base.join("tokenizer.json"),
-        Some(&out),
-        None,
-        &mut MemorySink::default(),
-        &CancelToken::new(),
-    )
-    .unwrap();
-    let adapter = out.join("final");
+    let adapter = sft_run(&m, &base, 8, &dir.path().join("run"));
     let merged = dir.path().join("merged");
     let r = merge_adapter(&base, &adapter, &merged).unwrap();
     assert_eq!(r.merged_projections, m.decoder.cfg.num_hidden_layers * 7);

@@ -299,52 +299,77 @@ fn chat_backend_plays_an_episode_and_records_the_backend() {
     let g = &generations[0]["event"];
     assert!(g["prompt"].as_array().is_some_and(|m| !m.is_empty()), "{g}");
     assert!(!g["text"].as_str().unwrap().is_empty(), "{g}");
-    // A served model cannot enforce constrained tool names: refused, naming the server, rather
-    // than run unconstrained.
-    let o = envace(&[
-        "run",
-        "--model",
-        &spec,
-        "--env",
-        "bank",
-        "--task",
-        "bank-test-0007",
-        "--mode",
-        "shadow",
-        "--constrain-tools",
-        "--out",
-        dir.path().join("c.jsonl").to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(!matches!(o.status.code(), Some(0 | 1)), "{stderr}");
-    assert!(
-        stderr.contains("--constrain-tools") && stderr.contains(&server.url()),
-        "{stderr}"
-    );
-    // Refused when the command starts: no session was begun.
-    assert!(!dir.path().join("c.jsonl").exists(), "{stderr}");
+    // A served model cannot enforce constrained tool names: refused when the command starts,
+    // naming the server, rather than run unconstrained; no session or answer file is begun.
+    let session = dir.path().join("c.jsonl");
     let sessions = dir.path().join("eval-sessions");
-    let o = envace(&[
-        "eval",
-        "--model",
-        &spec,
-        "--env",
-        "bank",
-        "--split",
-        "test",
-        "--limit",
-        "1",
-        "--constrain-tools",
-        "--sessions",
-        sessions.to_str().unwrap(),
-    ]);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(!matches!(o.status.code(), Some(0 | 1)), "{stderr}");
+    let answers = dir.path().join("bfcl.jsonl");
+    let data = root().join(".cache/bfcl/data");
     assert!(
-        stderr.contains("--constrain-tools") && stderr.contains(&server.url()),
-        "{stderr}"
+        data.is_dir(),
+        "missing fixture {}: run scripts/fetch-bfcl",
+        data.display()
     );
-    assert!(!sessions.exists(), "{stderr}");
+    let runs: [(Vec<&str>, &Path); 3] = [
+        (
+            vec![
+                "run",
+                "--env",
+                "bank",
+                "--task",
+                "bank-test-0007",
+                "--mode",
+                "shadow",
+                "--out",
+                session.to_str().unwrap(),
+            ],
+            &session,
+        ),
+        (
+            vec![
+                "eval",
+                "--env",
+                "bank",
+                "--split",
+                "test",
+                "--limit",
+                "1",
+                "--sessions",
+                sessions.to_str().unwrap(),
+            ],
+            &sessions,
+        ),
+        (
+            vec![
+                "eval",
+                "bfcl",
+                "--data",
+                data.to_str().unwrap(),
+                "--category",
+                "simple_python",
+                "--limit",
+                "1",
+                "--out",
+                answers.to_str().unwrap(),
+            ],
+            &answers,
+        ),
+    ];
+    for (args, written) in runs {
+        let mut args = args;
+        args.extend(["--model", spec.as_str(), "--constrain-tools"]);
+        let o = envace(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !matches!(o.status.code(), Some(0 | 1)),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            stderr.contains("--constrain-tools") && stderr.contains(&server.url()),
+            "{args:?}: {stderr}"
+        );
+        assert!(!written.exists(), "{args:?}: {stderr}");
+    }
 }
 
 #[test]

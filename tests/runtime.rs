@@ -632,6 +632,7 @@ fn an_hf_layout_adapter_on_the_smollm2_gguf_equals_it_on_the_dequantized_model()
         lora_alpha: 8.0,
         target_modules: vec!["q_proj".into(), "k_proj".into()],
         base_model_name_or_path: None,
+        base_sha256: None,
     };
     let mut tensors = HashMap::new();
     for (name, lin) in dense.named_linears() {

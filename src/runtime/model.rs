@@ -18,8 +18,8 @@ use super::decoder::Decoder;
 use super::device::{DeviceChoice, default_dtype, describe};
 use super::generate::{GenContext, Prefix, generate_batch};
 use super::loader::{
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, check_base,
-    hash_files, is_adapter_dir, load_gguf, load_hf, read_adapter,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, hash_files,
+    is_adapter_dir, load_gguf, load_hf, read_adapter,
 };
 use super::tokenizer::Tokenizer;
 use crate::message::Message;
@@ -123,7 +123,7 @@ impl LocalModel {
             });
         }
         let mut model = Self::load_on(&base_dir, device, dtype)?;
-        check_base(dir, &base_dir, &model.hash)?;
+        cfg.check_base(dir, &base_dir, &model.hash)?;
         // An adapter trained with its own chat template (as `envace pretrain --lora` writes
         // one beside it) speaks that template, not the base's.
         if let Some(template) = template_in_dir(dir)? {

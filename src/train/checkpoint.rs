@@ -14,9 +14,7 @@ use serde_json::Value;
 
 use crate::runtime::config::DecoderConfig;
 use crate::runtime::fixture::tokenizer_config_json;
-use crate::runtime::loader::{
-    ADAPTER_BASE, ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, base_record,
-};
+use crate::runtime::loader::{ADAPTER_BASE, ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig};
 
 /// Checkpoint errors name the directory and file.
 #[derive(Debug, thiserror::Error)]
@@ -153,12 +151,10 @@ pub fn save(
 /// (`adapter_config.json`, `adapter_model.safetensors`), the tokenizer files and prompt profile
 /// (so that the directory loads as a model: base + adapter), the adapter's optimizer state and
 /// the trainer state. No `config.json`: the base model is named in `adapter_config.json`, and
-/// (`base_sha256`, when known) recorded with its hash in `envace_base.json`, which loading
-/// checks.
+/// recorded with its hash in `envace_base.json` when known, which loading checks.
 pub fn save_adapter(
     dir: &Path,
     cfg: &AdapterConfig,
-    base_sha256: Option<&str>,
     adapter: &HashMap<String, Tensor>,
     tokenizer_json: &Path,
     optimizer: Option<&HashMap<String, Tensor>>,
@@ -166,8 +162,8 @@ pub fn save_adapter(
 ) -> Result<(), CheckpointError> {
     write_atomically(dir, |tmp| {
         write_json(tmp, ADAPTER_CONFIG, &cfg.to_peft_json())?;
-        if let (Some(hash), Some(base)) = (base_sha256, &cfg.base_model_name_or_path) {
-            write_json(tmp, ADAPTER_BASE, &base_record(Path::new(base), hash))?;
+        if let Some(record) = cfg.base_record() {
+            write_json(tmp, ADAPTER_BASE, &record)?;
         }
         copy_tokenizer_files(tmp, tokenizer_json)?;
         save_tensors(tmp, ADAPTER_WEIGHTS, adapter)?;
@@ -194,7 +190,6 @@ pub fn save_trainer(
         Some(cfg) => save_adapter(
             dir,
             cfg,
-            model.base_sha256.as_deref(),
             &model.weights(),
             tokenizer_json,
             Some(&opt.state_tensors()),

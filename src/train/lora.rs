@@ -21,7 +21,8 @@ use super::checkpoint::{self, write_atomically};
 use crate::runtime::RuntimeError;
 use crate::runtime::decoder::Decoder;
 use crate::runtime::loader::{
-    ADAPTER_WEIGHTS, CheckpointFiles, LORA_MODULES, peft_names, read_adapter, read_safetensors,
+    ADAPTER_WEIGHTS, CheckpointFiles, LORA_MODULES, base_hash, peft_names, read_adapter,
+    read_safetensors,
 };
 
 /// The modules adapted when none are named: the attention projections.
@@ -127,6 +128,7 @@ pub struct MergeReport {
 pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeReport, TrainError> {
     let files = CheckpointFiles::locate(base)?;
     let (cfg, lora) = read_adapter(adapter)?;
+    cfg.check_base(adapter, base, &base_hash(base)?)?;
     let mut tensors: HashMap<String, Tensor> = read_safetensors(&files.weights)?
         .into_iter()
         .map(|(k, (t, _))| (k, t))

@@ -16,7 +16,7 @@ use crate::runtime::fixture::random_weights;
 use crate::runtime::fused;
 use crate::runtime::loader::{
     ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, base_hash, build_dense,
-    check_base, is_adapter_dir, is_gguf, load_gguf_dense, load_hf, read_adapter,
+    is_adapter_dir, is_gguf, load_gguf_dense, load_hf, read_adapter,
 };
 use crate::train::lora::{LoraConfig, init_adapter};
 
@@ -28,9 +28,6 @@ pub struct TrainableModel {
     pub source: Option<PathBuf>,
     /// `Some` in LoRA mode: the adapter being trained (its base is frozen).
     pub lora: Option<AdapterConfig>,
-    /// LoRA mode: the sha256 of the frozen base's weights, recorded beside every adapter
-    /// saved ([`crate::runtime::loader::ADAPTER_BASE`]) and checked when one is loaded.
-    pub base_sha256: Option<String>,
 }
 
 impl std::fmt::Debug for TrainableModel {
@@ -57,7 +54,6 @@ impl TrainableModel {
             varmap,
             source: Some(dir.to_path_buf()),
             lora: None,
-            base_sha256: None,
         })
     }
 
@@ -65,7 +61,6 @@ impl TrainableModel {
     /// the model starts exactly as the base) on `cfg.targets`; the base weights are frozen.
     pub fn load_lora(base: &Path, cfg: &LoraConfig, device: &Device) -> Result<Self, RuntimeError> {
         let decoder = load_base(base, device, None)?;
-        let hash = base_hash(base)?;
         let tensors = init_adapter(&decoder, cfg)?;
         let acfg = AdapterConfig {
             r: cfg.r,
@@ -78,8 +73,9 @@ impl TrainableModel {
                     .display()
                     .to_string(),
             ),
+            base_sha256: Some(base_hash(base)?),
         };
-        Self::with_adapter(decoder, acfg, tensors, base, hash, device)
+        Self::with_adapter(decoder, acfg, tensors, base, device)
     }
 
     /// LoRA mode from an adapter directory (resuming a LoRA run): the base named in its
@@ -88,7 +84,8 @@ impl TrainableModel {
         let (mut acfg, tensors) = read_adapter(dir)?;
         let base = acfg.resolve_base(dir)?;
         let hash = base_hash(&base)?;
-        check_base(dir, &base, &hash)?;
+        acfg.check_base(dir, &base, &hash)?;
+        acfg.base_sha256 = Some(hash);
         let decoder = load_base(&base, device, None)?;
         // A base named relative to `dir` would not resolve from the directories this adapter
         // is saved into next (checkpoints, a continued run's output): save it resolved.
@@ -98,7 +95,7 @@ impl TrainableModel {
                 .display()
                 .to_string(),
         );
-        Self::with_adapter(decoder, acfg, tensors, dir, hash, device)
+        Self::with_adapter(decoder, acfg, tensors, dir, device)
     }
 
     fn with_adapter(
@@ -106,7 +103,6 @@ impl TrainableModel {
         acfg: AdapterConfig,
         tensors: HashMap<String, Tensor>,
         source: &Path,
-        base_sha256: String,
         device: &Device,
     ) -> Result<Self, RuntimeError> {
         let varmap = VarMap::new();
@@ -134,7 +130,6 @@ impl TrainableModel {
             varmap,
             source: Some(source.to_path_buf()),
             lora: Some(acfg),
-            base_sha256: Some(base_sha256),
         })
     }
 
@@ -160,7 +155,6 @@ impl TrainableModel {
             varmap,
             source: None,
             lora: None,
-            base_sha256: None,
         })
     }
 

@@ -47,6 +47,10 @@ pub struct AdapterConfig {
     pub target_modules: Vec<String>,
     /// The base model (a directory path for envace's own adapters).
     pub base_model_name_or_path: Option<String>,
+    /// The sha256 of the base the adapter was trained on ([`base_hash`]), kept in
+    /// `envace_base.json` beside `adapter_config.json` (PEFT refuses keys it does not know);
+    /// `None` for PEFT's adapters and older envace ones, which are not checked.
+    pub base_sha256: Option<String>,
 }
 
 impl AdapterConfig {
@@ -154,6 +158,7 @@ impl AdapterConfig {
                 .get("base_model_name_or_path")
                 .and_then(Value::as_str)
                 .map(str::to_string),
+            base_sha256: read_base_record(dir)?,
         })
     }
 
@@ -298,38 +303,49 @@ pub fn base_hash(base: &Path) -> Result<String, RuntimeError> {
     hash_files(&CheckpointFiles::locate(base)?.hashed())
 }
 
-/// Record the base an adapter was trained on (`DIR/envace_base.json`).
-pub fn base_record(base: &Path, sha256: &str) -> Value {
-    serde_json::json!({"base": base.display().to_string(), "sha256": sha256})
-}
-
-/// Refuse an adapter whose recorded base (`DIR/envace_base.json`, when present) is not the one
-/// at `base` now (`hash`: its sha256): the adapter's weights are deltas on the weights it was
-/// trained with, and on other ones they give a different model without any error. Adapters
-/// without the record (PEFT's, older envace ones) are not checked.
-pub fn check_base(dir: &Path, base: &Path, hash: &str) -> Result<(), RuntimeError> {
+/// The base record (`DIR/envace_base.json`) of an adapter, when it has one: its `sha256`.
+fn read_base_record(dir: &Path) -> Result<Option<String>, RuntimeError> {
     let path = dir.join(ADAPTER_BASE);
     if !path.is_file() {
-        return Ok(());
+        return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| file_err(&path, e.to_string()))?;
-    let v: Value = serde_json::from_str(&text).map_err(|e| file_err(&path, e.to_string()))?;
-    let Some(want) = v.get("sha256").and_then(Value::as_str) else {
-        return Err(RuntimeError::Field {
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+    let v: Value =
+        serde_json::from_str(&text).map_err(|e| file_err(&path, format!("invalid JSON: {e}")))?;
+    match v.get("sha256").and_then(Value::as_str) {
+        Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            Ok(Some(h.to_ascii_lowercase()))
+        }
+        other => Err(RuntimeError::Field {
             path: path.display().to_string(),
             field: "sha256".into(),
-            message: "missing (a hex string)".into(),
-        });
-    };
-    if want != hash {
-        return Err(RuntimeError::Field {
-            path: path.display().to_string(),
-            field: "sha256".into(),
-            message: format!(
-                "the adapter was trained on a base with sha256 {want}, but {} has {hash}: another file at that path (re-quantized, re-downloaded?); point base_model_name_or_path in {ADAPTER_CONFIG} at the base it was trained on",
-                base.display()
-            ),
-        });
+            message: format!("{other:?}: expected 64 hex digits"),
+        }),
     }
-    Ok(())
+}
+
+impl AdapterConfig {
+    /// The base record to write beside the adapter (`envace_base.json`), when its hash is known.
+    pub fn base_record(&self) -> Option<Value> {
+        let hash = self.base_sha256.as_ref()?;
+        Some(serde_json::json!({"base": self.base_model_name_or_path, "sha256": hash}))
+    }
+
+    /// Refuse the adapter of `dir` on the base at `base` (`hash`: its [`base_hash`]) when it
+    /// recorded another one: its weights are deltas on the weights it was trained with, and on
+    /// other ones they give a different model without any error.
+    pub fn check_base(&self, dir: &Path, base: &Path, hash: &str) -> Result<(), RuntimeError> {
+        match &self.base_sha256 {
+            Some(want) if want != hash => Err(RuntimeError::Field {
+                path: dir.join(ADAPTER_BASE).display().to_string(),
+                field: "sha256".into(),
+                message: format!(
+                    "the adapter was trained on a base with sha256 {want}, but {} has {hash}: another file at that path (re-quantized, re-downloaded?); point base_model_name_or_path in {ADAPTER_CONFIG} at the base it was trained on",
+                    base.display()
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
 }

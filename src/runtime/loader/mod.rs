@@ -122,9 +122,7 @@ impl CheckpointFiles {
             generation_config: opt("generation_config.json"),
         })
     }
-}
 
-impl CheckpointFiles {
     /// The files a checkpoint's hash covers: its weights and `config.json`.
     pub fn hashed(&self) -> Vec<PathBuf> {
         let mut v = self.weights.clone();

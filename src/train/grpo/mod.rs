@@ -267,8 +267,9 @@ pub fn config_changes(stored: &serde_json::Value, now: &GrpoConfig) -> Vec<Strin
 
 impl GrpoConfig {
     /// The checks on the settings alone (the frozen patterns are checked against the model's
-    /// parameter names when the optimizer is built).
-    fn validate(&self) -> Result<(), TrainError> {
+    /// parameter names when the optimizer is built). [`run_grpo`] runs them; a caller that
+    /// writes files first runs them before, so that bad settings leave nothing behind.
+    pub fn validate(&self) -> Result<(), TrainError> {
         if !(self.negative_weight >= 0.0 && self.negative_weight.is_finite()) {
             return Err(TrainError::Data(format!(
                 "negative_weight {}: a finite weight ≥ 0 (`--negative-weight`)",
@@ -292,6 +293,15 @@ impl GrpoConfig {
                  (`--sim-recall` needs `--mode rehearse`)",
                 self.mode
             )));
+        }
+        if self.entity_style != crate::env::tasks::randomize::EntityStyle::Letters
+            && self.random_entities == 0.0
+        {
+            return Err(TrainError::Data(
+                "entity_style shapes the randomized tasks of random_entities, which is 0 \
+                 (`--entity-style` needs `--random-entities F`)"
+                    .into(),
+            ));
         }
         if !(0.0..=1.0).contains(&self.random_entities) {
             return Err(TrainError::Data(format!(
