@@ -435,9 +435,10 @@ pub struct PretrainArgs {
     /// are all replaced by random letter strings (copying unseen values inside real tasks).
     #[arg(long, default_value_t = 0.0)]
     pub random_entities: f64,
-    /// What --random-entities puts in: letters (random letter strings) or words (payees and
+    /// What --random-entities puts in: letters (random letter strings), words (payees and
     /// items become real nouns, which a tokenizer splits differently inside a JSON string than
-    /// after a space; names and places stay letter strings).
+    /// after a space; names and places stay letter strings) or vocab (every value a word of
+    /// assets/entity-words.txt, ~11,000 English words, capitalised for names and places).
     #[arg(long, value_enum, default_value = "letters")]
     pub entity_style: envace::train::pretrain::EntityStyle,
     /// Write a checkpoint every N steps into `<out>.work/` (0 = only at the end).
@@ -456,6 +457,11 @@ pub struct PretrainArgs {
     /// drills also give their declining twin (the same request, that function unlisted).
     #[arg(long, default_value_t = 0.0, value_parser = parse_per_task)]
     pub calc_drills: f64,
+    /// Spelling drills per task: a request lists 3-8 English words (assets/entity-words.txt,
+    /// `the arena, the clerk and the seamstress`) and the reply makes one call per word with
+    /// the word as a JSON string value, where a tokenizer splits it in other pieces.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_per_task)]
+    pub spell_drills: f64,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]
@@ -567,8 +573,9 @@ pub struct TrainArgs {
     /// reward depends on copying values that cannot be recalled (0 = off).
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub random_entities: f64,
-    /// What --random-entities puts in: letters (random letter strings) or words (payees and
-    /// items become real nouns; names and places stay letter strings).
+    /// What --random-entities puts in: letters (random letter strings), words (payees and
+    /// items become real nouns; names and places stay letter strings) or vocab (every value a
+    /// word of assets/entity-words.txt, capitalised for names and places).
     #[arg(long, value_enum, default_value = "letters")]
     pub entity_style: envace::train::pretrain::EntityStyle,
     /// Scale of negative advantages in the policy loss (1 = GRPO as specified, 0 = learn from

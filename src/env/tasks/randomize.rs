@@ -9,7 +9,9 @@
 //! case values (payees, items) may instead be replaced by real English nouns
 //! ([`EntityStyle::Words`]): a tokenizer splits a real word differently inside a JSON string
 //! than after a space (SmolLM2: ` tailor` is one token, `"tailor` is `tail`+`or`), which letter
-//! strings never practise.
+//! strings never practise. [`EntityStyle::Vocab`] draws every value (names and places
+//! capitalised) from ~11,000 such words (`assets/entity-words.txt`, `scripts/entity-words`), so
+//! that the skill is spelling any word, not a list learnt by heart.
 
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -68,6 +70,27 @@ pub enum EntityStyle {
     /// Payees and items become real nouns ([`PAYEE_NOUNS`], [`ITEM_NOUNS`]); names and places
     /// (capitalised) stay letter strings. System prompts are kept as they are.
     Words,
+    /// Every value becomes a word of [`ENTITY_WORDS`] (capitalised for names and places): real
+    /// English words that the tokenizer keeps whole after a space. System prompts are kept as
+    /// they are.
+    Vocab,
+}
+
+/// The words of [`EntityStyle::Vocab`], one per line: SmolLM2's vocabulary entries `Ġ` + 4-11
+/// lower-case letters that are Webster's Second (web2) words, less the domains' pool values and
+/// the held-out nouns of `assets/copy-probe-nouns.txt` (`scripts/entity-words` writes it).
+const ENTITY_WORDS: &str = include_str!("../../../assets/entity-words.txt");
+
+/// [`ENTITY_WORDS`] as a list.
+pub(crate) fn entity_words() -> &'static [&'static str] {
+    static WORDS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    WORDS.get_or_init(|| {
+        ENTITY_WORDS
+            .lines()
+            .map(str::trim)
+            .filter(|w| !w.is_empty())
+            .collect()
+    })
 }
 
 /// Real lower-case nouns for [`EntityStyle::Words`] in place of a payee: trades and shops,
@@ -230,7 +253,9 @@ fn randomize_pool_words(text: &str, seed: u64, style: EntityStyle) -> String {
                 && !pool.contains(&w)
                 && !crate::env::domains::in_test_pools(w)
         };
-        let noun = if style == EntityStyle::Words && !capital {
+        let noun = if style == EntityStyle::Vocab {
+            vocab_word(&mut rng, capital, free)
+        } else if style == EntityStyle::Words && !capital {
             let list = if payees.contains(&v) {
                 PAYEE_NOUNS
             } else {
@@ -254,6 +279,24 @@ fn randomize_pool_words(text: &str, seed: u64, style: EntityStyle) -> String {
         text = replace_words(&text, v, &new);
     }
     text
+}
+
+/// A word of [`entity_words`] (first letter upper case if `capital`) that `free` accepts, or
+/// `None` after 64 draws that it did not.
+fn vocab_word(rng: &mut StdRng, capital: bool, free: impl Fn(&str) -> bool) -> Option<String> {
+    let words = entity_words();
+    if words.is_empty() {
+        return None;
+    }
+    (0..64).find_map(|_| {
+        let w = words[rng.random_range(0..words.len())];
+        let w = if capital {
+            w[..1].to_uppercase() + &w[1..]
+        } else {
+            w.to_string()
+        };
+        free(&w).then_some(w)
+    })
 }
 
 pub(crate) fn is_word_char(c: char) -> bool {

@@ -402,6 +402,14 @@ mod tests {
             }
         }
         assert!(nouns >= 20, "{nouns} word payees");
+        // Vocabulary words for every value: every bank train task still replays.
+        for (i, task) in list_tasks(Domain::Bank, Some(Split::Train))
+            .into_iter()
+            .enumerate()
+        {
+            randomized_task_styled(task, i as u64, EntityStyle::Vocab)
+                .expect("vocab-randomized task validates");
+        }
         // The fraction is honoured and deterministic.
         let cfg = GrpoConfig {
             random_entities: 0.5,

@@ -1,7 +1,8 @@
 //! Drills: short synthetic conversations beside the gold runs. Copy drills echo a list of
 //! train-split entities (or random letter strings) exactly; tool drills act on made-up tools
 //! (see [`super::tool_drill`]); calculation drills call, or decline, calculator functions (see
-//! [`super::calc_drill`]). A random string is never a test-pool value.
+//! [`super::calc_drill`]); spelling drills copy real words into tool calls' JSON strings. A
+//! random string is never a test-pool value.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -11,8 +12,9 @@ use crate::engine::prompts::actor::tools_json;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::env::domains::sample_entities;
 use crate::env::tasks::Split;
-use crate::env::tasks::randomize::random_word_styled;
-use crate::message::Message;
+use crate::env::tasks::randomize::{entity_words, random_word_styled};
+use crate::env::{ToolAnnotations, ToolSpec};
+use crate::message::{Message, MessageToolCall, ToolCall};
 use crate::runtime::chat_template::ChatTemplate;
 use crate::train::TrainError;
 
@@ -76,6 +78,93 @@ pub(super) fn calc_drill_texts(
         out.push(actor_text(t, &twin.messages, &tools_json(&twin.tools))?);
     }
     Ok(out)
+}
+
+/// The argument names of the spelling drills, and whether their values are capitalised.
+const SPELL_KEYS: &[(&str, bool)] = &[
+    ("payee", false),
+    ("item", false),
+    ("product", false),
+    ("label", false),
+    ("name", true),
+    ("city", true),
+];
+
+/// A spelling drill (see [`super::CorpusConfig::spell_drills_per_task`]): a user lists 3-8
+/// words of [`entity_words`] (`the arena, the clerk and the seamstress`; capitalised for names
+/// and cities) and the assistant makes one call of a made-up `add_<key>` tool per word, the
+/// word as the JSON string value. A tokenizer keeps most of these words whole after a space and
+/// splits them inside a JSON string, so each call spells a word in other pieces than the
+/// request gave it. Actor text only; the model learns the calls, not a reply.
+pub(super) fn spell_drill(t: &ChatTemplate, seed: u64) -> Result<Segmented, TrainError> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (key, capital) = SPELL_KEYS[rng.random_range(0..SPELL_KEYS.len())];
+    let words = entity_words();
+    let n = rng.random_range(3..=8);
+    let mut picked: Vec<String> = Vec::with_capacity(n);
+    while picked.len() < n && !words.is_empty() {
+        let w = words[rng.random_range(0..words.len())];
+        let w = if capital {
+            w[..1].to_uppercase() + &w[1..]
+        } else {
+            w.to_string()
+        };
+        if !picked.contains(&w) {
+            picked.push(w);
+        }
+    }
+    let article = !capital && rng.random::<f64>() < 0.7;
+    let shown: Vec<String> = picked
+        .iter()
+        .map(|w| if article { format!("the {w}") } else { w.clone() })
+        .collect();
+    let list = match shown.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => shown.join(""),
+    };
+    let name = format!("add_{key}");
+    let request = match rng.random_range(0..3) {
+        0 => format!("Add {list}."),
+        1 => format!("Please add {list}, one {key} each."),
+        _ => format!("Record these as {key}s: {list}."),
+    };
+    let spec = ToolSpec {
+        name: name.clone(),
+        description: format!("Add one {key}."),
+        input_schema: serde_json::json!({
+            "type": "object",
+            "properties": {key: {"type": "string", "description": key}},
+            "required": [key],
+        }),
+        annotations: ToolAnnotations {
+            read_only: false,
+            destructive: false,
+            idempotent: false,
+            open_world: false,
+        },
+    };
+    let server = format!("mcp:{}", random_word_styled(&mut rng, false));
+    let calls = picked
+        .iter()
+        .enumerate()
+        .map(|(i, w)| MessageToolCall {
+            id: format!("call_{i}"),
+            kind: "function".into(),
+            function: ToolCall {
+                name: name.clone(),
+                arguments: serde_json::json!({ key: w }),
+            },
+        })
+        .collect();
+    let msgs = vec![
+        Message::system(crate::engine::spec::mcp_system(&server)),
+        Message::user(request),
+        Message {
+            tool_calls: calls,
+            ..Message::assistant("")
+        },
+    ];
+    actor_text_last(t, &msgs, &tools_json(&[spec]))
 }
 
 /// System prompt of the copy drills.

@@ -106,6 +106,10 @@ pub struct CorpusConfig {
     /// Actor texts only.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub calc_drills_per_task: f64,
+    /// Spelling drills per task (see [`drills::spell_drill`]; a fraction is a probability):
+    /// 3-8 real words of the request copied into the JSON strings of as many calls.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spell_drills_per_task: f64,
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
@@ -165,6 +169,7 @@ impl Default for CorpusConfig {
             tool_drills_per_task: 0.0,
             tool_drill_style: Default::default(),
             calc_drills_per_task: 0.0,
+            spell_drills_per_task: 0.0,
             template: CorpusTemplate::Compact,
             kind_weights: BTreeMap::new(),
             seed: 0,
@@ -316,6 +321,11 @@ pub fn corpus(
             for _ in 0..drill_count(cfg.calc_drills_per_task, &mut rng) {
                 let seed = rng.random::<u64>();
                 out.extend(calc_drill_texts(&t, seed, CALC_TWINS)?);
+            }
+            // Drawn last, so that corpora without them keep their draws.
+            for _ in 0..drill_count(cfg.spell_drills_per_task, &mut rng) {
+                let seed = rng.random::<u64>();
+                out.push(drills::spell_drill(&t, seed)?);
             }
         }
     }

@@ -23,6 +23,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         tool_drills_per_task: 0.0,
         tool_drill_style: Default::default(),
         calc_drills_per_task: 0.0,
+        spell_drills_per_task: 0.0,
         template: CorpusTemplate::Compact,
         kind_weights: BTreeMap::new(),
         seed: 7,
@@ -477,6 +478,133 @@ fn word_entities_put_real_nouns_for_payees_and_items_and_letters_for_names() {
         a.iter()
             .all(|t| !t.text().contains("\"payee\": \"carpenter\""))
     );
+}
+
+#[test]
+fn vocab_entities_draw_every_value_from_the_word_list_and_hold_out_the_probe_nouns() {
+    use crate::env::tasks::randomize::entity_words;
+    let words = entity_words();
+    assert!(words.len() > 10_000, "{} words", words.len());
+    let pools = crate::env::domains::train_pool_values();
+    let probe: Vec<&str> = include_str!("../../../../assets/copy-probe-nouns.txt")
+        .lines()
+        .filter(|l| !l.is_empty())
+        .collect();
+    assert!(probe.len() > 200);
+    for w in words {
+        assert!((4..=11).contains(&w.len()), "{w}");
+        assert!(w.chars().all(|c| c.is_ascii_lowercase()), "{w}");
+        assert!(!probe.contains(w), "{w} is a held-out probe noun");
+        assert!(!pools.contains(w), "{w} is a train-pool value");
+        // Capitalised, a word may be a generated train name (`Basin`): the draw skips those.
+        let cap = w[..1].to_uppercase() + &w[1..];
+        for v in [*w, cap.as_str()] {
+            assert!(!crate::env::domains::in_test_pools(v), "{v} is a test-pool value");
+        }
+    }
+    let letters = CorpusConfig {
+        random_entity_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let vocab = CorpusConfig {
+        random_entity_style: EntityStyle::Vocab,
+        ..letters.clone()
+    };
+    let texts = |c: &CorpusConfig| {
+        corpus(
+            &[Domain::Bank, Domain::Retail, Domain::Travel],
+            Split::Train,
+            &PromptProfile::compact(),
+            c,
+        )
+        .unwrap()
+    };
+    let (a, b) = (texts(&letters), texts(&vocab));
+    // The same draws: the same texts in the same order, only the replacements differ.
+    assert_eq!(a.len(), b.len());
+    let (mut payees, mut capitals) = (0, 0);
+    for (x, y) in a.iter().zip(&b) {
+        let (x, y) = (x.text(), y.text());
+        if x == y {
+            continue;
+        }
+        assert!(
+            !y.contains("You are the bank") || y.contains("You are the bank desk"),
+            "the system prompt is kept: {y}"
+        );
+        // A payee is a word of the list, the same in the request and in the call.
+        let key = "\"payee\": \"";
+        if let Some(i) = y.find(key) {
+            let rest = &y[i + key.len()..];
+            let payee = &rest[..rest.find('"').unwrap()];
+            assert!(words.contains(&payee), "payee {payee} in {y}");
+            assert!(y.contains(&format!("to the {payee}")), "{y}");
+            payees += 1;
+        }
+        // Names and places: capitalised words of the list, wherever a value is quoted.
+        capitals += y
+            .split('"')
+            .filter(|v| v.chars().next().is_some_and(char::is_uppercase))
+            .filter(|v| words.contains(&v.to_lowercase().as_str()))
+            .count();
+    }
+    assert!(payees >= 3, "{payees} randomized payments");
+    assert!(capitals >= 10, "{capitals} capitalised list words as names or places");
+}
+
+#[test]
+fn spelling_drills_copy_each_listed_word_into_one_call() {
+    use crate::env::tasks::randomize::entity_words;
+    let words = entity_words();
+    let t = ChatTemplate::new(CorpusTemplate::CompactV2.source(), "", END).unwrap();
+    let mut articles = 0;
+    for seed in 0..40 {
+        let text = super::drills::spell_drill(&t, seed).unwrap();
+        let all = text.text();
+        let trained: String = text
+            .segments
+            .iter()
+            .filter(|s| s.1)
+            .map(|s| s.0.as_str())
+            .collect();
+        // The trained part is the calls; the request is not trained.
+        let values: Vec<&str> = trained
+            .split("\"arguments\": {\"")
+            .skip(1)
+            .map(|rest| {
+                let v = &rest[rest.find(": \"").unwrap() + 3..];
+                &v[..v.find('"').unwrap()]
+            })
+            .collect();
+        assert!((3..=8).contains(&values.len()), "{trained}");
+        for v in &values {
+            assert!(words.contains(&v.to_lowercase().as_str()), "{v} in {trained}");
+            let request = &all[..all.find(trained.as_str()).unwrap()];
+            assert!(find_word(request, v).is_some(), "{v} not in the request");
+            if request.contains(&format!("the {v}")) {
+                articles += 1;
+            }
+        }
+    }
+    assert!(articles > 20, "{articles} words after `the`");
+    // Per task, drawn after every other drill.
+    let c = |f: f64| {
+        corpus(
+            &[Domain::Bank],
+            Split::Train,
+            &PromptProfile::compact(),
+            &CorpusConfig {
+                spell_drills_per_task: f,
+                ..cfg(0.0)
+            },
+        )
+        .unwrap()
+    };
+    let (none, two) = (c(0.0), c(2.0));
+    let drills = |v: &[Segmented]| v.iter().filter(|t| t.text().contains("add_")).count();
+    assert_eq!(drills(&none), 0);
+    assert_eq!(two.len() - none.len(), drills(&two));
+    assert_eq!(drills(&two), 2 * 30);
 }
 
 #[test]
