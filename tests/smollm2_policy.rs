@@ -137,3 +137,70 @@ fn constrained_tool_names_keep_the_policys_calls_on_the_list() {
         }
     }
 }
+
+/// `scripts/copy-probe` feeds `scripts/copy-probe.prompt` (a noun in place of `{NOUN}`) to
+/// `envace generate --raw`: with `tailor` its tokens must be exactly the engine's actor prompt of
+/// bank-test-0007 plus the shipped policy's call up to the payee's value, or the probe measures
+/// some other prompt than the one the policy plays.
+#[test]
+fn the_copy_probe_prompt_is_the_engines_prompt_for_bank_test_0007() {
+    let gguf = root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        gguf.is_file(),
+        "missing fixture {}: run scripts/fetch-fixtures",
+        gguf.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("s.jsonl");
+    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
+        .current_dir(root())
+        .args([
+            "run",
+            "--model",
+            "models/smollm2-envace",
+            "--env",
+            "bank",
+            "--task",
+            "bank-test-0007",
+            "--mode",
+            "shadow",
+            "--seed",
+            "0",
+            "--max-turns",
+            "1",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(matches!(o.status.code(), Some(0 | 1)), "{stderr}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let generation: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|e| e["event"]["type"] == "generation" && e["event"]["role"] == "actor")
+        .expect("an actor generation")["event"]
+        .clone();
+    let ids = |k: &str| -> Vec<u32> {
+        generation[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let tok = tokenizers::Tokenizer::from_file(root().join("models/smollm2-envace/tokenizer.json"))
+        .unwrap();
+    let prompt = std::fs::read_to_string(root().join("scripts/copy-probe.prompt"))
+        .unwrap()
+        .replace("{NOUN}", "tailor");
+    let probe: Vec<u32> = tok.encode(prompt, false).unwrap().get_ids().to_vec();
+    let (engine_prompt, response) = (ids("prompt_ids"), ids("response_ids"));
+    assert!(probe.len() > engine_prompt.len());
+    assert_eq!(probe[..engine_prompt.len()], engine_prompt[..]);
+    let head = &probe[engine_prompt.len()..];
+    assert_eq!(head, &response[..head.len()]);
+    let decoded = tok.decode(head, false).unwrap();
+    assert!(decoded.ends_with("\"payee\":"), "{decoded}");
+}

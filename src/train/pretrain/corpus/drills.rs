@@ -116,7 +116,13 @@ pub(super) fn spell_drill(t: &ChatTemplate, seed: u64) -> Result<Segmented, Trai
     let article = !capital && rng.random::<f64>() < 0.7;
     let shown: Vec<String> = picked
         .iter()
-        .map(|w| if article { format!("the {w}") } else { w.clone() })
+        .map(|w| {
+            if article {
+                format!("the {w}")
+            } else {
+                w.clone()
+            }
+        })
         .collect();
     let list = match shown.split_last() {
         Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),

@@ -499,7 +499,10 @@ fn vocab_entities_draw_every_value_from_the_word_list_and_hold_out_the_probe_nou
         // Capitalised, a word may be a generated train name (`Basin`): the draw skips those.
         let cap = w[..1].to_uppercase() + &w[1..];
         for v in [*w, cap.as_str()] {
-            assert!(!crate::env::domains::in_test_pools(v), "{v} is a test-pool value");
+            assert!(
+                !crate::env::domains::in_test_pools(v),
+                "{v} is a test-pool value"
+            );
         }
     }
     let letters = CorpusConfig {
@@ -549,7 +552,10 @@ fn vocab_entities_draw_every_value_from_the_word_list_and_hold_out_the_probe_nou
             .count();
     }
     assert!(payees >= 3, "{payees} randomized payments");
-    assert!(capitals >= 10, "{capitals} capitalised list words as names or places");
+    assert!(
+        capitals >= 10,
+        "{capitals} capitalised list words as names or places"
+    );
 }
 
 #[test]
@@ -578,7 +584,10 @@ fn spelling_drills_copy_each_listed_word_into_one_call() {
             .collect();
         assert!((3..=8).contains(&values.len()), "{trained}");
         for v in &values {
-            assert!(words.contains(&v.to_lowercase().as_str()), "{v} in {trained}");
+            assert!(
+                words.contains(&v.to_lowercase().as_str()),
+                "{v} in {trained}"
+            );
             let request = &all[..all.find(trained.as_str()).unwrap()];
             assert!(find_word(request, v).is_some(), "{v} not in the request");
             if request.contains(&format!("the {v}")) {
