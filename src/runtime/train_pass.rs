@@ -384,29 +384,29 @@ fn rms_bwd(n: &RmsNorm, x: &Mat, rstd: &[f32], dy: &Mat, grads: &mut Grads) -> R
             }
         });
     if Grads::wants(&n.weight) {
-        // dw = Σ_rows dy · x · r, accumulated per task and summed.
-        let dw = x
+        // dw = Σ_rows dy · x · r: a partial sum per fixed block of rows, added in block order,
+        // so that the result is the same bits whatever the threads and their stealing (a
+        // rayon fold splits where the scheduler happens to).
+        let rows_per_block = min_rows(d).max(16);
+        let partials: Vec<Vec<f32>> = x
             .data()
-            .par_chunks(d)
-            .zip(dy.data().par_chunks(d))
-            .zip(rstd.par_iter())
-            .with_min_len(min_rows(d).max(16))
-            .fold(
-                || vec![0f32; d],
-                |mut acc, ((x, dy), &r)| {
+            .par_chunks(d * rows_per_block)
+            .zip(dy.data().par_chunks(d * rows_per_block))
+            .zip(rstd.par_chunks(rows_per_block))
+            .map(|((x, dy), r)| {
+                let mut acc = vec![0f32; d];
+                for ((x, dy), &r) in x.chunks(d).zip(dy.chunks(d)).zip(r) {
                     for ((a, &x), &dy) in acc.iter_mut().zip(x).zip(dy) {
                         *a += dy * x * r;
                     }
-                    acc
-                },
-            )
-            .reduce(
-                || vec![0f32; d],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                    a
-                },
-            );
+                }
+                acc
+            })
+            .collect();
+        let mut dw = vec![0f32; d];
+        for p in &partials {
+            dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        }
         grads.add(&n.weight, dw);
     }
     Ok(dx)
