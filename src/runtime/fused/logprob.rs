@@ -31,12 +31,7 @@ impl CustomOp2 for TokenLogprobOp {
         let mut out = vec![0f32; n * 3];
         let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
             let m = max_of(x);
-            let (mut s, mut sx) = (0f32, 0f32);
-            for &x in x {
-                let e = (x - m).exp();
-                s += e;
-                sx += e * (x - m);
-            }
+            let (s, sx) = exp_sums(x, m);
             let lse = m + s.ln();
             o[0] = x[t as usize] - lse;
             o[1] = lse;
@@ -106,17 +101,7 @@ impl CustomOp2 for TokenLogprobBwd {
         let row = |(o, ((x, &t), (st, gr))): (&mut [f32], LogprobBwdRow)| {
             let (lse, ent) = (st[1], st[2]);
             let (g_lp, g_ent) = (gr[0], gr[2]);
-            if g_ent == 0.0 {
-                for (o, &x) in o.iter_mut().zip(x) {
-                    *o = -g_lp * (x - lse).exp();
-                }
-            } else {
-                for (o, &x) in o.iter_mut().zip(x) {
-                    let lp = x - lse;
-                    let p = lp.exp();
-                    *o = -g_lp * p - g_ent * p * (lp + ent);
-                }
-            }
+            softmax_grad_row(o, x, lse, ent, g_lp, g_ent);
             if let Some(o) = o.get_mut(t as usize) {
                 *o += g_lp;
             }
@@ -141,6 +126,53 @@ impl CustomOp2 for TokenLogprobBwd {
                 .for_each(row);
         }
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// (Σ e, Σ e·(x − m)) with e = exp(x − m), eight lanes at a time through `wide`'s vector `exp`
+/// (finite logits ≤ m: its argument is ≤ 0, where it matches `f32::exp` to a few ulp).
+fn exp_sums(x: &[f32], m: f32) -> (f32, f32) {
+    use wide::f32x8;
+    let (xv, tail) = x.as_chunks::<8>();
+    let mv = f32x8::splat(m);
+    let (mut s8, mut sx8) = (f32x8::ZERO, f32x8::ZERO);
+    for x8 in xv {
+        let d = f32x8::from(*x8) - mv;
+        let e = d.exp();
+        s8 += e;
+        sx8 = e.mul_add(d, sx8);
+    }
+    let (mut s, mut sx) = (s8.reduce_add(), sx8.reduce_add());
+    for &x in tail {
+        let e = (x - m).exp();
+        s += e;
+        sx += e * (x - m);
+    }
+    (s, sx)
+}
+
+/// One row of [`TokenLogprobBwd`] before the target's `+ g_lp`: `−g_lp·p − g_H·p·(log p + H)`
+/// with p = exp(x − lse), eight lanes at a time.
+fn softmax_grad_row(o: &mut [f32], x: &[f32], lse: f32, ent: f32, g_lp: f32, g_ent: f32) {
+    use wide::f32x8;
+    let (ov, ot) = o.as_chunks_mut::<8>();
+    let (xv, xt) = x.as_chunks::<8>();
+    let (l, h) = (f32x8::splat(lse), f32x8::splat(ent));
+    let (a, b) = (f32x8::splat(-g_lp), f32x8::splat(-g_ent));
+    for (o8, x8) in ov.iter_mut().zip(xv) {
+        let lp = f32x8::from(*x8) - l;
+        let p = lp.exp();
+        *o8 = if g_ent == 0.0 {
+            a * p
+        } else {
+            a * p + b * p * (lp + h)
+        }
+        .to_array();
+    }
+    for (o, &x) in ot.iter_mut().zip(xt) {
+        let lp = x - lse;
+        let p = lp.exp();
+        *o = -g_lp * p - g_ent * p * (lp + ent);
     }
 }
 
