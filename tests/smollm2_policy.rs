@@ -6,23 +6,27 @@
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use envace::session::EventBody;
+use envace::session::format::GenRole;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-#[test]
-fn the_shipped_smollm2_adapter_solves_a_test_task_in_shadow_mode() {
+/// The shipped adapter plays built-in bank task `task` in shadow mode, seed 0, through the
+/// release binary with `extra` flags; the session goes to `dir`. Fails naming the fixture when
+/// scripts/fetch-fixtures has not run.
+fn play_shipped(dir: &Path, task: &str, extra: &[&str]) -> (Output, PathBuf) {
     let gguf = root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         gguf.is_file(),
         "missing fixture {}: run scripts/fetch-fixtures",
         gguf.display()
     );
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("s.jsonl");
+    let out = dir.join(format!("{task}.jsonl"));
     let o = Command::new(env!("CARGO_BIN_EXE_envace"))
         .current_dir(root())
         .args([
@@ -32,17 +36,24 @@ fn the_shipped_smollm2_adapter_solves_a_test_task_in_shadow_mode() {
             "--env",
             "bank",
             "--task",
-            "bank-test-0000",
+            task,
             "--mode",
             "shadow",
             "--seed",
             "0",
-            "--json",
-            "--out",
         ])
+        .args(extra)
+        .arg("--out")
         .arg(&out)
         .output()
         .unwrap();
+    (o, out)
+}
+
+#[test]
+fn the_shipped_smollm2_adapter_solves_a_test_task_in_shadow_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let (o, out) = play_shipped(dir.path(), "bank-test-0000", &["--json"]);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{stderr}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -144,61 +155,29 @@ fn constrained_tool_names_keep_the_policys_calls_on_the_list() {
 /// some other prompt than the one the policy plays.
 #[test]
 fn the_copy_probe_prompt_is_the_engines_prompt_for_bank_test_0007() {
-    let gguf = root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        gguf.is_file(),
-        "missing fixture {}: run scripts/fetch-fixtures",
-        gguf.display()
-    );
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("s.jsonl");
-    let o = Command::new(env!("CARGO_BIN_EXE_envace"))
-        .current_dir(root())
-        .args([
-            "run",
-            "--model",
-            "models/smollm2-envace",
-            "--env",
-            "bank",
-            "--task",
-            "bank-test-0007",
-            "--mode",
-            "shadow",
-            "--seed",
-            "0",
-            "--max-turns",
-            "1",
-            "--out",
-        ])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let (o, out) = play_shipped(dir.path(), "bank-test-0007", &["--max-turns", "1"]);
     let stderr = String::from_utf8_lossy(&o.stderr);
+    // Played to its end, solved or not (the shipped policy pays `the tailor` here).
     assert!(matches!(o.status.code(), Some(0 | 1)), "{stderr}");
-    let text = std::fs::read_to_string(&out).unwrap();
-    let generation: serde_json::Value = text
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .find(|e| e["event"]["type"] == "generation" && e["event"]["role"] == "actor")
-        .expect("an actor generation")["event"]
-        .clone();
-    let ids = |k: &str| -> Vec<u32> {
-        generation[k]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let session = envace::session::read_session(&out).unwrap();
+    let generation = session
+        .events
+        .iter()
+        .find_map(|e| match &e.event {
+            EventBody::Generation(g) if g.role == GenRole::Actor => Some(g),
+            _ => None,
+        })
+        .expect("an actor generation");
     let tok = tokenizers::Tokenizer::from_file(root().join("models/smollm2-envace/tokenizer.json"))
         .unwrap();
     let prompt = std::fs::read_to_string(root().join("scripts/copy-probe.prompt"))
         .unwrap()
         .replace("{NOUN}", "tailor");
     let probe: Vec<u32> = tok.encode(prompt, false).unwrap().get_ids().to_vec();
-    let (engine_prompt, response) = (ids("prompt_ids"), ids("response_ids"));
+    let (engine_prompt, response) = (&generation.prompt_ids, &generation.response_ids);
     assert!(probe.len() > engine_prompt.len());
-    assert_eq!(probe[..engine_prompt.len()], engine_prompt[..]);
+    assert_eq!(&probe[..engine_prompt.len()], &engine_prompt[..]);
     let head = &probe[engine_prompt.len()..];
     assert_eq!(head, &response[..head.len()]);
     let decoded = tok.decode(head, false).unwrap();

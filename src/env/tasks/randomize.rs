@@ -136,7 +136,7 @@ pub(crate) fn random_word_styled(rng: &mut StdRng, capital: bool) -> String {
             .map(|_| char::from(LETTERS[rng.random_range(0..LETTERS.len())]))
             .collect();
         if capital {
-            w = w[..1].to_uppercase() + &w[1..];
+            w = capitalised(&w);
         }
         if !crate::env::domains::in_test_pools(&w) {
             return w;
@@ -282,8 +282,12 @@ fn randomize_pool_words(text: &str, seed: u64, style: EntityStyle) -> String {
 }
 
 /// A word of [`entity_words`] (first letter upper case if `capital`) that `free` accepts, or
-/// `None` after 64 draws that it did not.
-fn vocab_word(rng: &mut StdRng, capital: bool, free: impl Fn(&str) -> bool) -> Option<String> {
+/// `None` after 64 draws that it did not. Shared by the random entities and the spelling drills.
+pub(crate) fn vocab_word(
+    rng: &mut StdRng,
+    capital: bool,
+    free: impl Fn(&str) -> bool,
+) -> Option<String> {
     let words = entity_words();
     if words.is_empty() {
         return None;
@@ -291,12 +295,20 @@ fn vocab_word(rng: &mut StdRng, capital: bool, free: impl Fn(&str) -> bool) -> O
     (0..64).find_map(|_| {
         let w = words[rng.random_range(0..words.len())];
         let w = if capital {
-            w[..1].to_uppercase() + &w[1..]
+            capitalised(w)
         } else {
             w.to_string()
         };
         free(&w).then_some(w)
     })
+}
+
+/// `w` with its first letter upper case (ASCII words).
+pub(crate) fn capitalised(w: &str) -> String {
+    let mut c = w.chars();
+    c.next()
+        .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+        .unwrap_or_default()
 }
 
 pub(crate) fn is_word_char(c: char) -> bool {

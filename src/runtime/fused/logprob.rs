@@ -159,15 +159,17 @@ fn softmax_grad_row(o: &mut [f32], x: &[f32], lse: f32, ent: f32, g_lp: f32, g_e
     let (xv, xt) = x.as_chunks::<8>();
     let (l, h) = (f32x8::splat(lse), f32x8::splat(ent));
     let (a, b) = (f32x8::splat(-g_lp), f32x8::splat(-g_ent));
-    for (o8, x8) in ov.iter_mut().zip(xv) {
-        let lp = f32x8::from(*x8) - l;
-        let p = lp.exp();
-        *o8 = if g_ent == 0.0 {
-            a * p
-        } else {
-            a * p + b * p * (lp + h)
+    let lanes = ov.iter_mut().zip(xv);
+    if g_ent == 0.0 {
+        for (o8, x8) in lanes {
+            *o8 = (a * (f32x8::from(*x8) - l).exp()).to_array();
         }
-        .to_array();
+    } else {
+        for (o8, x8) in lanes {
+            let lp = f32x8::from(*x8) - l;
+            let p = lp.exp();
+            *o8 = (a * p + b * p * (lp + h)).to_array();
+        }
     }
     for (o, &x) in ot.iter_mut().zip(xt) {
         let lp = x - lse;

@@ -12,7 +12,7 @@ use crate::engine::prompts::actor::tools_json;
 use crate::engine::prompts::simulator::{SimulatorPromptInput, simulator_prompt};
 use crate::env::domains::sample_entities;
 use crate::env::tasks::Split;
-use crate::env::tasks::randomize::{entity_words, random_word_styled};
+use crate::env::tasks::randomize::{random_word_styled, vocab_word};
 use crate::env::{ToolAnnotations, ToolSpec};
 use crate::message::{Message, MessageToolCall, ToolCall};
 use crate::runtime::chat_template::ChatTemplate;
@@ -80,37 +80,32 @@ pub(super) fn calc_drill_texts(
     Ok(out)
 }
 
-/// The argument names of the spelling drills, and whether their values are capitalised.
-const SPELL_KEYS: &[(&str, bool)] = &[
-    ("payee", false),
-    ("item", false),
-    ("product", false),
-    ("label", false),
-    ("name", true),
-    ("city", true),
+/// The argument names of the spelling drills, their plurals, and whether their values are
+/// capitalised.
+const SPELL_KEYS: &[(&str, &str, bool)] = &[
+    ("payee", "payees", false),
+    ("item", "items", false),
+    ("product", "products", false),
+    ("label", "labels", false),
+    ("name", "names", true),
+    ("city", "cities", true),
 ];
 
 /// A spelling drill (see [`super::CorpusConfig::spell_drills_per_task`]): a user lists 3-8
-/// words of [`entity_words`] (`the arena, the clerk and the seamstress`; capitalised for names
+/// words of [`crate::env::tasks::randomize::entity_words`] (`the arena, the clerk and the seamstress`; capitalised for names
 /// and cities) and the assistant makes one call of a made-up `add_<key>` tool per word, the
 /// word as the JSON string value. A tokenizer keeps most of these words whole after a space and
 /// splits them inside a JSON string, so each call spells a word in other pieces than the
 /// request gave it. Actor text only; the model learns the calls, not a reply.
 pub(super) fn spell_drill(t: &ChatTemplate, seed: u64) -> Result<Segmented, TrainError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let (key, capital) = SPELL_KEYS[rng.random_range(0..SPELL_KEYS.len())];
-    let words = entity_words();
+    let (key, plural, capital) = SPELL_KEYS[rng.random_range(0..SPELL_KEYS.len())];
     let n = rng.random_range(3..=8);
     let mut picked: Vec<String> = Vec::with_capacity(n);
-    while picked.len() < n && !words.is_empty() {
-        let w = words[rng.random_range(0..words.len())];
-        let w = if capital {
-            w[..1].to_uppercase() + &w[1..]
-        } else {
-            w.to_string()
-        };
-        if !picked.contains(&w) {
-            picked.push(w);
+    while picked.len() < n {
+        match vocab_word(&mut rng, capital, |w| !picked.iter().any(|p| p == w)) {
+            Some(w) => picked.push(w),
+            None => break,
         }
     }
     let article = !capital && rng.random::<f64>() < 0.7;
@@ -132,7 +127,7 @@ pub(super) fn spell_drill(t: &ChatTemplate, seed: u64) -> Result<Segmented, Trai
     let request = match rng.random_range(0..3) {
         0 => format!("Add {list}."),
         1 => format!("Please add {list}, one {key} each."),
-        _ => format!("Record these as {key}s: {list}."),
+        _ => format!("Record these as {plural}: {list}."),
     };
     let spec = ToolSpec {
         name: name.clone(),

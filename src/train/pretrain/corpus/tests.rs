@@ -403,6 +403,29 @@ fn random_entities_replace_every_occurrence_and_keep_the_conversation_consistent
     );
 }
 
+/// The train-split corpus of `domains` with every task's entities randomized, as letter strings
+/// and in `style`: the same draws, so the two lists pair text by text.
+fn letters_and(style: EntityStyle, domains: &[Domain]) -> (Vec<Segmented>, Vec<Segmented>) {
+    let letters = CorpusConfig {
+        random_entity_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let styled = CorpusConfig {
+        random_entity_style: style,
+        ..letters.clone()
+    };
+    let texts =
+        |c: &CorpusConfig| corpus(domains, Split::Train, &PromptProfile::compact(), c).unwrap();
+    (texts(&letters), texts(&styled))
+}
+
+/// The value of the first `"payee": "…"` in `text`.
+fn quoted_payee(text: &str) -> Option<&str> {
+    let key = "\"payee\": \"";
+    let rest = &text[text.find(key)? + key.len()..];
+    rest.find('"').map(|end| &rest[..end])
+}
+
 #[test]
 fn word_entities_put_real_nouns_for_payees_and_items_and_letters_for_names() {
     use crate::env::tasks::randomize::{ITEM_NOUNS, PAYEE_NOUNS};
@@ -420,24 +443,7 @@ fn word_entities_put_real_nouns_for_payees_and_items_and_letters_for_names() {
     sorted.sort_unstable();
     sorted.dedup();
     assert_eq!(sorted.len(), all.len(), "a noun is listed twice");
-    let letters = CorpusConfig {
-        random_entity_fraction: 1.0,
-        ..cfg(0.0)
-    };
-    let words = CorpusConfig {
-        random_entity_style: EntityStyle::Words,
-        ..letters.clone()
-    };
-    let both = |c: &CorpusConfig| {
-        corpus(
-            &[Domain::Bank, Domain::Retail],
-            Split::Train,
-            &PromptProfile::compact(),
-            c,
-        )
-        .unwrap()
-    };
-    let (a, b) = (both(&letters), both(&words));
+    let (a, b) = letters_and(EntityStyle::Words, &[Domain::Bank, Domain::Retail]);
     assert_ne!(a, b);
     // The same draws: the same texts in the same order, only the replacements differ.
     assert_eq!(a.len(), b.len());
@@ -454,10 +460,7 @@ fn word_entities_put_real_nouns_for_payees_and_items_and_letters_for_names() {
             !y.contains("You are the bank") || y.contains("You are the bank desk"),
             "{y}"
         );
-        let key = "\"payee\": \"";
-        if let Some(i) = y.find(key) {
-            let rest = &y[i + key.len()..];
-            let payee = &rest[..rest.find('"').unwrap()];
+        if let Some(payee) = quoted_payee(&y) {
             payments += 1;
             assert!(PAYEE_NOUNS.contains(&payee), "payee {payee} in {y}");
             assert!(y.contains(&format!("to the {payee}")), "{y}");
@@ -497,7 +500,7 @@ fn vocab_entities_draw_every_value_from_the_word_list_and_hold_out_the_probe_nou
         assert!(!probe.contains(w), "{w} is a held-out probe noun");
         assert!(!pools.contains(w), "{w} is a train-pool value");
         // Capitalised, a word may be a generated train name (`Basin`): the draw skips those.
-        let cap = w[..1].to_uppercase() + &w[1..];
+        let cap = crate::env::tasks::randomize::capitalised(w);
         for v in [*w, cap.as_str()] {
             assert!(
                 !crate::env::domains::in_test_pools(v),
@@ -505,24 +508,10 @@ fn vocab_entities_draw_every_value_from_the_word_list_and_hold_out_the_probe_nou
             );
         }
     }
-    let letters = CorpusConfig {
-        random_entity_fraction: 1.0,
-        ..cfg(0.0)
-    };
-    let vocab = CorpusConfig {
-        random_entity_style: EntityStyle::Vocab,
-        ..letters.clone()
-    };
-    let texts = |c: &CorpusConfig| {
-        corpus(
-            &[Domain::Bank, Domain::Retail, Domain::Travel],
-            Split::Train,
-            &PromptProfile::compact(),
-            c,
-        )
-        .unwrap()
-    };
-    let (a, b) = (texts(&letters), texts(&vocab));
+    let (a, b) = letters_and(
+        EntityStyle::Vocab,
+        &[Domain::Bank, Domain::Retail, Domain::Travel],
+    );
     // The same draws: the same texts in the same order, only the replacements differ.
     assert_eq!(a.len(), b.len());
     let (mut payees, mut capitals) = (0, 0);
@@ -536,10 +525,7 @@ fn vocab_entities_draw_every_value_from_the_word_list_and_hold_out_the_probe_nou
             "the system prompt is kept: {y}"
         );
         // A payee is a word of the list, the same in the request and in the call.
-        let key = "\"payee\": \"";
-        if let Some(i) = y.find(key) {
-            let rest = &y[i + key.len()..];
-            let payee = &rest[..rest.find('"').unwrap()];
+        if let Some(payee) = quoted_payee(&y) {
             assert!(words.contains(&payee), "payee {payee} in {y}");
             assert!(y.contains(&format!("to the {payee}")), "{y}");
             payees += 1;
@@ -583,6 +569,7 @@ fn spelling_drills_copy_each_listed_word_into_one_call() {
             })
             .collect();
         assert!((3..=8).contains(&values.len()), "{trained}");
+        assert!(!all.contains("citys"), "{all}");
         for v in &values {
             assert!(
                 words.contains(&v.to_lowercase().as_str()),
