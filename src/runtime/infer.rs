@@ -599,7 +599,8 @@ impl candle_core::InplaceOp1 for PrefillSoftmax<'_> {
 /// One query's scores in place: `x · scale` with −1e9 added on the `pad` left-padding keys,
 /// softmax over the first `valid` keys (the causal window), zeros after them (where the tensor
 /// path's −inf mask gives exactly 0). Exponentials by `wide`'s `exp`, as [`attend_one`]'s.
-fn softmax_causal_row(x: &mut [f32], valid: usize, pad: usize, scale: f32) {
+/// Also the training pass's causal softmax (`train_attention`, no padding there).
+pub(crate) fn softmax_causal_row(x: &mut [f32], valid: usize, pad: usize, scale: f32) {
     let valid = valid.min(x.len());
     let (head, rest) = x.split_at_mut(valid);
     rest.fill(0.0);

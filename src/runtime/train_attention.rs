@@ -15,7 +15,8 @@
 //! block (no horizontal sums), and weighted sums of rows with the output row held in registers.
 //! They replaced per-pair dot products and `axpy`s that loaded and stored the output row for
 //! every key: attention fell from 5.0% to 2.9% of a SmolLM2-135M LoRA step and from 8.7% to
-//! ~5.5% of a tiny-256x6 step (perf, one thread).
+//! ~5.5% of a tiny-256x6 step (docs/PERFORMANCE.md has the profile command). The softmax is the
+//! inference path's `infer::softmax_causal_row`.
 //!
 //! What it must never do: differ from the autograd path beyond float rounding — `tests/fused.rs`
 //! compares whole decoders' gradients with candle's own ops. Right padding only: a causal row
@@ -25,6 +26,7 @@ use rayon::prelude::*;
 use wide::f32x8;
 
 use super::fused::rotate_row as rotate;
+use super::infer::softmax_causal_row;
 
 // ---------------------------------------------------------------------------------------------
 // Causal attention with RoPE and GQA
@@ -125,28 +127,6 @@ fn weighted_block<const N: usize>(
     N
 }
 
-/// Softmax in place over `p[..n]`, scaled scores in, probabilities out (exponentials eight at a
-/// time through `wide`'s `exp`).
-fn softmax_in_place(p: &mut [f32], n: usize, scale: f32) {
-    let p = &mut p[..n];
-    let m = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * scale;
-    let (pv, tail) = p.as_chunks_mut::<8>();
-    let (sv, mv) = (f32x8::splat(scale), f32x8::splat(m));
-    let mut sum8 = f32x8::ZERO;
-    for x in pv.iter_mut() {
-        let e = f32x8::from(*x).mul_sub(sv, mv).exp();
-        sum8 += e;
-        *x = e.to_array();
-    }
-    let mut sum = sum8.reduce_add();
-    for x in tail.iter_mut() {
-        *x = (*x * scale - m).exp();
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    p.iter_mut().for_each(|x| *x *= inv);
-}
-
 /// Per (batch row, kv head): the geometry, and the rows of one head gathered into (T, dp)
 /// blocks, dp = d rounded up to 8 with zero columns (exact: they add nothing to any product).
 struct Geometry<'a> {
@@ -208,11 +188,11 @@ impl Geometry<'_> {
         out
     }
 
-    /// (T, dp) back to (T, d).
-    fn unpad(&self, x: &[f32]) -> Vec<f32> {
+    /// (T, dp) back to (T, d) (the same buffer when no padding was added).
+    fn unpad(&self, x: Vec<f32>) -> Vec<f32> {
         let (d, dp) = (self.d(), self.dp);
         if d == dp {
-            return x.to_vec();
+            return x;
         }
         x.chunks(dp).flat_map(|r| r[..d].iter().copied()).collect()
     }
@@ -220,7 +200,7 @@ impl Geometry<'_> {
     /// Softmax of query row `i` against keys 0..=i (`krt` transposed) into `p[..=i]`.
     fn probs(&self, q: &[f32], krt: &[f32], i: usize, p: &mut [f32]) {
         row_scores(q, krt, self.tp, i + 1, p);
-        softmax_in_place(p, i + 1, self.scale);
+        softmax_causal_row(&mut p[..=i], i + 1, 0, self.scale);
     }
 }
 
@@ -329,7 +309,7 @@ impl AttnOp {
                 g.probs(&qr[i * dp..(i + 1) * dp], &krt, i, &mut p);
                 weighted_rows_add(&p[..=i], &vt[..(i + 1) * dp], dp, o);
             }
-            out.extend_from_slice(&g.unpad(&oh));
+            out.extend(oh.chunks(dp).flat_map(|r| &r[..g.d()]));
         }
         out
     }
@@ -399,7 +379,7 @@ impl AttnOp {
             }
             dq.extend_from_slice(&g.unrotate(&dqr));
         }
-        (dq, g.unrotate(&dkr), g.unpad(&dv))
+        (dq, g.unrotate(&dkr), g.unpad(dv))
     }
 }
 
