@@ -13,7 +13,9 @@ use envace::runtime::config::Family;
 use envace::runtime::fixture::tiny_config;
 use envace::runtime::fused::{self, Kernels, with_kernels};
 use envace::runtime::train_pass;
-use envace::train::model::{Example, TrainableModel, masked_nll};
+use envace::train::model::{
+    Example, TrainableModel, batch_tensors, masked_nll, masked_token_terms,
+};
 use envace::train::optim::{AdamW, AdamWConfig};
 
 const KERNELS: [Kernels; 2] = [Kernels::Fused, Kernels::Slow];
@@ -295,6 +297,71 @@ fn decoder_grads_match(family: Family, interleaved: bool, tied: bool) {
         assert!(nz > 0.0, "{name}: zero gradient");
         assert_close(&format!("{family:?} {name}"), a, b, 1e-4);
     }
+}
+
+/// A GRPO-shaped loss (per-position weights on the log-probs, plus an entropy bonus) through
+/// `masked_token_terms`: the token terms and every weight's gradient, fused vs slow. On Llama
+/// the fused side is the training pass's in-graph token terms (`train_pass::token_terms_at`);
+/// on Qwen3 (q/k norms) it is the logits through the fused token-logprob op.
+fn token_terms_grads_match(family: Family) {
+    let cfg = tiny_config(family);
+    let model = TrainableModel::init(&cfg, 7, &Device::Cpu).unwrap();
+    assert_eq!(
+        with_kernels(Kernels::Fused, || train_pass::applies(&model.decoder)),
+        !cfg.qk_norm
+    );
+    let ex = batch(cfg.vocab_size as u32);
+    let refs: Vec<&Example> = ex.iter().collect();
+    let (ids, mask) = batch_tensors(&refs, &Device::Cpu).unwrap();
+    let weights = (rand(mask.dims(), 3) * &mask).unwrap();
+    let run = |k| {
+        with_kernels(k, || {
+            let (lp, ent) = masked_token_terms(&model.decoder, &ids, &mask, true).unwrap();
+            let ent = ent.unwrap();
+            let loss = ((&lp * &weights).unwrap().sum_all().unwrap().neg().unwrap()
+                - (&ent * &mask)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .affine(0.05, 0.0)
+                    .unwrap())
+            .unwrap();
+            let g = train_pass::backward(&loss).unwrap();
+            (lp, ent, g)
+        })
+    };
+    let (lpf, entf, gf) = run(Kernels::Fused);
+    let (lps, ents, gs) = run(Kernels::Slow);
+    assert_close(&format!("{family:?} log-probs"), &lpf, &lps, 1e-5);
+    assert_close(&format!("{family:?} entropy"), &entf, &ents, 1e-5);
+    // Unmasked positions stay exactly zero.
+    let off: f32 = ((&lpf.abs().unwrap() + &entf.abs().unwrap()).unwrap()
+        * mask.affine(-1.0, 1.0).unwrap())
+    .unwrap()
+    .sum_all()
+    .unwrap()
+    .to_scalar()
+    .unwrap();
+    assert_eq!(off, 0.0, "terms outside the mask");
+    for (name, v) in model.named_vars() {
+        let a = gf
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("fused: no grad for {name}"));
+        let b = gs
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("slow: no grad for {name}"));
+        assert_close(&format!("{family:?} {name}"), a, b, 1e-4);
+    }
+}
+
+#[test]
+fn llama_token_terms_and_entropy_gradients_fused_equal_slow() {
+    token_terms_grads_match(Family::Llama);
+}
+
+#[test]
+fn qwen3_token_terms_and_entropy_gradients_fused_equal_slow() {
+    token_terms_grads_match(Family::Qwen3);
 }
 
 /// The hand-written training pass gives the same bits on 1, 2 and 3 threads, run after run:

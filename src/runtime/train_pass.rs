@@ -17,7 +17,9 @@
 //! op receives the logits' gradient, runs the tape's backward and leaves the parameters'
 //! gradients in a per-thread collector, which [`backward`] (cleared before, drained after
 //! `loss.backward()`) inserts into the same `GradStore`, summed where a tensor is used twice (tied
-//! embeddings). A trainer must therefore call [`backward`] instead of `Tensor::backward` — the
+//! embeddings). Losses on next-token log-probs (SFT, GRPO) take [`token_terms_at`] instead: the
+//! same op outputs each position's `[log p, logsumexp, entropy]` and keeps the logits to itself,
+//! turning them into their gradient in place, so no vocabulary-wide tensor enters the graph. A trainer must therefore call [`backward`] instead of `Tensor::backward` — the
 //! decoder's parameters get no gradient otherwise (tests compare every parameter's gradient with
 //! the autograd path).
 //!
@@ -521,6 +523,81 @@ pub fn forward(decoder: &Decoder, ids: &Tensor) -> Result<Tensor> {
 /// its backward everywhere else — with a 49k vocabulary, a fifth of a step's work.
 pub fn forward_at(decoder: &Decoder, ids: &Tensor, rows: Option<&[usize]>) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
+    let (data, v, tape) = run_forward(decoder, ids, rows)?;
+    let shape = match rows {
+        None => Shape::from((b, t, v)),
+        Some(r) => Shape::from((r.len(), v)),
+    };
+    let Some(tape) = tape else {
+        return Tensor::from_vec(data, shape, &decoder.device);
+    };
+    let anchor = Var::zeros(1, candle_core::DType::F32, &decoder.device)?;
+    anchor.as_tensor().apply_op1(TapeOp {
+        logits: Mutex::new(Some(data)),
+        shape,
+        vocab: v,
+        terms: None,
+        tape: Mutex::new(Some(tape)),
+    })
+}
+
+/// Per selected position, `[log p(target), logsumexp, entropy]` of the next-token
+/// distribution: (rows.len(), 3), differentiable like [`forward_at`]'s logits. The logits stay
+/// inside the graph node: its backward turns them into their own gradient in place, so neither
+/// the (rows × vocab) logits' gradient nor candle's zeroed accumulator for it is ever allocated
+/// (with SmolLM2's 49k vocabulary, 200 MB per 1k rows each). Same numbers as
+/// [`super::fused::token_logprobs_entropy`] on [`forward_at`]'s logits.
+pub fn token_terms_at(
+    decoder: &Decoder,
+    ids: &Tensor,
+    rows: &[usize],
+    targets: &[u32],
+) -> Result<Tensor> {
+    if targets.len() != rows.len() {
+        bail!(
+            "train pass: {} targets for {} positions",
+            targets.len(),
+            rows.len()
+        );
+    }
+    let (data, v, tape) = run_forward(decoder, ids, Some(rows))?;
+    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!("train pass: target {bad} is outside the vocabulary ({v})");
+    }
+    let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
+        o.copy_from_slice(&super::fused::token_stats_row(x, t as usize));
+    };
+    let mut stats = vec![0f32; rows.len() * 3];
+    stats
+        .par_chunks_mut(3)
+        .zip(data.par_chunks(v.max(1)).zip(targets.par_iter()))
+        .with_min_len(min_rows(v))
+        .for_each(row);
+    let shape = Shape::from((rows.len(), 3));
+    let Some(tape) = tape else {
+        return Tensor::from_vec(stats, shape, &decoder.device);
+    };
+    let anchor = Var::zeros(1, candle_core::DType::F32, &decoder.device)?;
+    anchor.as_tensor().apply_op1(TapeOp {
+        logits: Mutex::new(Some(data)),
+        shape,
+        vocab: v,
+        terms: Some(Terms {
+            targets: targets.to_vec(),
+            stats: Mutex::new(Some(stats)),
+        }),
+        tape: Mutex::new(Some(tape)),
+    })
+}
+
+/// The forward itself: the logits (row-major, `vocab` wide) at `rows` (all positions when
+/// `None`), and the tape when any parameter is a `Var`.
+fn run_forward(
+    decoder: &Decoder,
+    ids: &Tensor,
+    rows: Option<&[usize]>,
+) -> Result<(Vec<f32>, usize, Option<Tape>)> {
+    let (b, t) = ids.dims2()?;
     let cfg = &decoder.cfg;
     let (max, _) = decoder.rope.tables().0.dims2()?;
     if t > max {
@@ -615,12 +692,8 @@ pub fn forward_at(decoder: &Decoder, ids: &Tensor, rows: Option<&[usize]>) -> Re
     };
     let (logits, lm) = linear_fwd(&decoder.lm_head, head_in.as_ref().unwrap_or(&xn_f))?;
     let (v, data) = (logits.cols, logits.into_vec());
-    let shape = match rows {
-        None => Shape::from((b, t, v)),
-        Some(r) => Shape::from((r.len(), v)),
-    };
     if !any_variable(decoder) {
-        return Tensor::from_vec(data, shape, &decoder.device);
+        return Ok((data, v, None));
     }
     let tape = Tape {
         decoder: decoder.clone(),
@@ -635,20 +708,25 @@ pub fn forward_at(decoder: &Decoder, ids: &Tensor, rows: Option<&[usize]>) -> Re
         head: head_in.map(|x| (x, rows.map(<[usize]>::to_vec).unwrap_or_default())),
         lm,
     };
-    let anchor = Var::zeros(1, candle_core::DType::F32, &decoder.device)?;
-    anchor.as_tensor().apply_op1(TapeOp {
-        logits: Mutex::new(Some(data)),
-        shape,
-        tape: Mutex::new(Some(tape)),
-    })
+    Ok((data, v, Some(tape)))
 }
 
-/// The logits as a graph node that owns its tape: forward hands over the logits computed by
-/// [`forward`]; backward runs the tape with the logits' gradient (see the module header).
+/// The logits, or their token terms, as a graph node that owns its tape: forward hands over
+/// what [`forward_at`] or [`token_terms_at`] computed; backward runs the tape with the logits'
+/// gradient (see the module header).
 struct TapeOp {
+    /// The logits: handed over as the output, or (with `terms`) kept for the backward.
     logits: Mutex<Option<Vec<f32>>>,
     shape: Shape,
+    vocab: usize,
+    terms: Option<Terms>,
     tape: Mutex<Option<Tape>>,
+}
+
+/// [`token_terms_at`]'s output: the targets and the (rows, 3) statistics handed over.
+struct Terms {
+    targets: Vec<u32>,
+    stats: Mutex<Option<Vec<f32>>>,
 }
 
 impl CustomOp1 for TapeOp {
@@ -657,20 +735,44 @@ impl CustomOp1 for TapeOp {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let data = self.logits.lock().ok().and_then(|mut l| l.take());
-        match data {
+        let out = match &self.terms {
+            None => self.logits.lock().ok().and_then(|mut l| l.take()),
+            Some(terms) => terms.stats.lock().ok().and_then(|mut s| s.take()),
+        };
+        match out {
             Some(d) => Ok((CpuStorage::F32(d), self.shape.clone())),
-            None => bail!("train pass: the logits were already handed over"),
+            None => bail!("train pass: the output was already handed over"),
         }
     }
 
-    fn bwd(&self, _anchor: &Tensor, _logits: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, _anchor: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         // Once per tape: a second backward through the same graph has no activations left.
         let tape = self.tape.lock().ok().and_then(|mut t| t.take());
         let Some(tape) = tape else {
             bail!("train pass: this forward was already differentiated (run forward again)");
         };
-        COLLECTED.with(|c| tape.backward(g, &mut c.borrow_mut()))?;
+        let v = self.vocab;
+        let dlogits = match &self.terms {
+            None => g.flatten_all()?.to_vec1::<f32>()?,
+            Some(terms) => {
+                let logits = self.logits.lock().ok().and_then(|mut l| l.take());
+                let Some(mut logits) = logits else {
+                    bail!("train pass: the logits were already differentiated");
+                };
+                let stats = out.flatten_all()?.to_vec1::<f32>()?;
+                let grads = g.flatten_all()?.to_vec1::<f32>()?;
+                super::fused::logprob_grads_in_place(
+                    &mut logits,
+                    v,
+                    &terms.targets,
+                    &stats,
+                    &grads,
+                );
+                logits
+            }
+        };
+        let rows = dlogits.len() / v.max(1);
+        COLLECTED.with(|c| tape.backward(Mat::new(dlogits, rows, v), &mut c.borrow_mut()))?;
         Ok(None)
     }
 }
@@ -698,20 +800,23 @@ fn any_variable(d: &Decoder) -> bool {
 }
 
 impl Tape {
-    /// Every parameter's gradient for the logits' gradient `dlogits` (b, t, vocab).
-    fn backward(self, dlogits: &Tensor, grads: &mut Grads) -> Result<()> {
+    /// Every parameter's gradient for the logits' gradient `g`: (b·t, vocab), or (rows, vocab)
+    /// when the forward computed logits at selected positions only.
+    fn backward(self, g: Mat, grads: &mut Grads) -> Result<()> {
         let d = &self.decoder;
         let (b, t) = (self.b, self.t);
         let m = b * t;
         let h = d.cfg.hidden_size;
-        let vocab = dlogits.dims().last().copied().unwrap_or(0);
+        let expected = self.head.as_ref().map_or(m, |(_, rows)| rows.len());
+        if g.rows != expected {
+            bail!(
+                "train pass: logits' gradient has {} rows for {expected} positions",
+                g.rows
+            );
+        }
         let dxn = match &self.head {
-            None => {
-                let g = Mat::new(dlogits.flatten_all()?.to_vec1::<f32>()?, m, vocab);
-                linear_bwd(&d.lm_head, &self.xn_f, &self.lm, &g, grads, true)?
-            }
+            None => linear_bwd(&d.lm_head, &self.xn_f, &self.lm, &g, grads, true)?,
             Some((x_sel, rows)) => {
-                let g = Mat::new(dlogits.flatten_all()?.to_vec1::<f32>()?, rows.len(), vocab);
                 // Positions without logits get no gradient from the head.
                 linear_bwd(&d.lm_head, x_sel, &self.lm, &g, grads, true)?.map(|dsel| {
                     let mut full = Mat::zeros(m, h);

@@ -18,6 +18,7 @@ use crate::runtime::loader::{
     ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, base_hash, build_dense,
     is_adapter_dir, is_gguf, load_gguf_dense, load_hf, read_adapter,
 };
+use crate::runtime::train_pass;
 use crate::train::lora::{LoraConfig, init_adapter};
 
 /// A trainable decoder.
@@ -270,12 +271,23 @@ pub fn masked_token_terms(
     }
     let positions: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
     let idx = Tensor::from_vec(rows, positions.len(), &decoder.device)?;
-    let logits = decoder.forward_train_at(&inp, &positions)?.unsqueeze(0)?;
-    let tgt_sel = tgt.flatten_all()?.index_select(&idx, 0)?.unsqueeze(0)?;
-    let (lp, ent) = fused::token_logprobs_entropy(&logits, &tgt_sel, entropy)?;
+    let tgt_sel = tgt.flatten_all()?.index_select(&idx, 0)?;
+    let (lp, ent) = if train_pass::applies(decoder) {
+        // The hand-written pass hands out the token terms, not the logits (see its docs).
+        let targets = tgt_sel.to_vec1::<u32>()?;
+        let terms = train_pass::token_terms_at(decoder, &inp, &positions, &targets)?;
+        let lp = terms.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
+        let ent = entropy
+            .then(|| terms.narrow(1, 2, 1)?.squeeze(1)?.contiguous())
+            .transpose()?;
+        (lp, ent)
+    } else {
+        let logits = decoder.forward_train_at(&inp, &positions)?;
+        fused::token_logprobs_entropy(&logits, &tgt_sel, entropy)?
+    };
     let spread = |x: Tensor| -> candle_core::Result<Tensor> {
         Tensor::zeros(n, candle_core::DType::F32, &decoder.device)?
-            .index_add(&idx, &x.squeeze(0)?, 0)?
+            .index_add(&idx, &x, 0)?
             .reshape((b, t - 1))
     };
     Ok((spread(lp)?, ent.map(spread).transpose()?))

@@ -30,13 +30,7 @@ impl CustomOp2 for TokenLogprobOp {
         }
         let mut out = vec![0f32; n * 3];
         let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
-            let m = max_of(x);
-            let (s, sx) = exp_sums(x, m);
-            let lse = m + s.ln();
-            o[0] = x[t as usize] - lse;
-            o[1] = lse;
-            // H = −Σ p (x − lse) = lse − m − Σ e (x − m) / Σ e
-            o[2] = lse - m - sx / s;
+            o.copy_from_slice(&token_stats_row(x, t as usize));
         };
         if x.len() < PAR_MIN_ELEMS {
             out.chunks_mut(3)
@@ -69,9 +63,6 @@ impl CustomOp2 for TokenLogprobOp {
     }
 }
 
-/// One row's inputs in [`TokenLogprobBwd`]: (logits, target), (stats, output grads).
-type LogprobBwdRow<'a> = ((&'a [f32], &'a u32), (&'a [f32], &'a [f32]));
-
 /// d/dx of g_lp · log p(t) + g_H · H: g_lp (δ_jt − p_j) − g_H p_j (log p_j + H).
 struct TokenLogprobBwd {
     stats: Vec<f32>,
@@ -97,34 +88,8 @@ impl CustomOp2 for TokenLogprobBwd {
         if t.len() != n || self.stats.len() != n * 3 || self.grads.len() != n * 3 {
             bail!("{name}: shapes do not line up");
         }
-        let mut out = vec![0f32; x.len()];
-        let row = |(o, ((x, &t), (st, gr))): (&mut [f32], LogprobBwdRow)| {
-            let (lse, ent) = (st[1], st[2]);
-            let (g_lp, g_ent) = (gr[0], gr[2]);
-            softmax_grad_row(o, x, lse, ent, g_lp, g_ent);
-            if let Some(o) = o.get_mut(t as usize) {
-                *o += g_lp;
-            }
-        };
-        let (stats, grads) = (&self.stats, &self.grads);
-        if x.len() < PAR_MIN_ELEMS {
-            out.chunks_mut(v)
-                .zip(
-                    x.chunks(v)
-                        .zip(t.iter())
-                        .zip(stats.chunks(3).zip(grads.chunks(3))),
-                )
-                .for_each(row);
-        } else {
-            out.par_chunks_mut(v)
-                .zip(
-                    x.par_chunks(v)
-                        .zip(t.par_iter())
-                        .zip(stats.par_chunks(3).zip(grads.par_chunks(3))),
-                )
-                .with_min_len(min_rows(v))
-                .for_each(row);
-        }
+        let mut out = x.to_vec();
+        logprob_grads_in_place(&mut out, v, t, &self.stats, &self.grads);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -151,30 +116,74 @@ fn exp_sums(x: &[f32], m: f32) -> (f32, f32) {
     (s, sx)
 }
 
-/// One row of [`TokenLogprobBwd`] before the target's `+ g_lp`: `−g_lp·p − g_H·p·(log p + H)`
-/// with p = exp(x − lse), eight lanes at a time.
-fn softmax_grad_row(o: &mut [f32], x: &[f32], lse: f32, ent: f32, g_lp: f32, g_ent: f32) {
+/// One row's target, stats and output gradients in [`logprob_grads_in_place`].
+type GradRowArgs<'a> = (&'a u32, (&'a [f32], &'a [f32]));
+
+/// `[log p(t), logsumexp, entropy]` of one row of logits `x` and its target `t < x.len()`.
+pub(crate) fn token_stats_row(x: &[f32], t: usize) -> [f32; 3] {
+    let m = max_of(x);
+    let (s, sx) = exp_sums(x, m);
+    let lse = m + s.ln();
+    // H = −Σ p (x − lse) = lse − m − Σ e (x − m) / Σ e
+    [x[t] - lse, lse, lse - m - sx / s]
+}
+
+/// Turn rows of logits (`v` wide) into their gradients, in place: row i's logits become
+/// d/dx of `g_lp · log p(t) + g_H · H` for its `stats[3i..]` (from [`token_stats_row`]) and
+/// output gradients `grads[3i..]` (entries 0 and 2 are read), i.e.
+/// `g_lp (δ_jt − p_j) − g_H p_j (log p_j + H)`. Rows run in parallel when there are enough.
+pub(crate) fn logprob_grads_in_place(
+    x: &mut [f32],
+    v: usize,
+    targets: &[u32],
+    stats: &[f32],
+    grads: &[f32],
+) {
+    let row = |(x, (&t, (st, gr))): (&mut [f32], GradRowArgs)| {
+        let (lse, ent) = (st[1], st[2]);
+        let (g_lp, g_ent) = (gr[0], gr[2]);
+        softmax_grad_row_in_place(x, lse, ent, g_lp, g_ent);
+        if let Some(o) = x.get_mut(t as usize) {
+            *o += g_lp;
+        }
+    };
+    let per_row = targets.iter().zip(stats.chunks(3).zip(grads.chunks(3)));
+    if x.len() < PAR_MIN_ELEMS {
+        x.chunks_mut(v).zip(per_row).for_each(row);
+    } else {
+        x.par_chunks_mut(v)
+            .zip(
+                targets
+                    .par_iter()
+                    .zip(stats.par_chunks(3).zip(grads.par_chunks(3))),
+            )
+            .with_min_len(min_rows(v))
+            .for_each(row);
+    }
+}
+
+/// One row of [`logprob_grads_in_place`] before the target's `+ g_lp`: each logit x becomes
+/// `−g_lp·p − g_H·p·(log p + H)` with p = exp(x − lse), eight lanes at a time.
+fn softmax_grad_row_in_place(x: &mut [f32], lse: f32, ent: f32, g_lp: f32, g_ent: f32) {
     use wide::f32x8;
-    let (ov, ot) = o.as_chunks_mut::<8>();
-    let (xv, xt) = x.as_chunks::<8>();
+    let (xv, xt) = x.as_chunks_mut::<8>();
     let (l, h) = (f32x8::splat(lse), f32x8::splat(ent));
     let (a, b) = (f32x8::splat(-g_lp), f32x8::splat(-g_ent));
-    let lanes = ov.iter_mut().zip(xv);
     if g_ent == 0.0 {
-        for (o8, x8) in lanes {
-            *o8 = (a * (f32x8::from(*x8) - l).exp()).to_array();
+        for x8 in xv {
+            *x8 = (a * (f32x8::from(*x8) - l).exp()).to_array();
         }
     } else {
-        for (o8, x8) in lanes {
+        for x8 in xv {
             let lp = f32x8::from(*x8) - l;
             let p = lp.exp();
-            *o8 = (a * p + b * p * (lp + h)).to_array();
+            *x8 = (a * p + b * p * (lp + h)).to_array();
         }
     }
-    for (o, &x) in ot.iter_mut().zip(xt) {
-        let lp = x - lse;
+    for x in xt {
+        let lp = *x - lse;
         let p = lp.exp();
-        *o = -g_lp * p - g_ent * p * (lp + ent);
+        *x = -g_lp * p - g_ent * p * (lp + ent);
     }
 }
 
