@@ -278,13 +278,18 @@ fn decoder_grads_match(family: Family, interleaved: bool, tied: bool) {
         (lf - ls).abs() < 1e-5 * ls.abs().max(1.0),
         "loss {lf} vs {ls}"
     );
+    assert_same_grads(&format!("{family:?}"), &model, &gf, &gs);
+}
+
+/// Every weight of `model` has a nonzero gradient in `fused`, equal to `slow`'s within 1e-4.
+fn assert_same_grads(what: &str, model: &TrainableModel, fused: &GradStore, slow: &GradStore) {
     let vars = model.named_vars();
     assert!(!vars.is_empty());
     for (name, v) in vars {
-        let a = gf
+        let a = fused
             .get(v.as_tensor())
             .unwrap_or_else(|| panic!("fused: no grad for {name}"));
-        let b = gs
+        let b = slow
             .get(v.as_tensor())
             .unwrap_or_else(|| panic!("slow: no grad for {name}"));
         let nz = a
@@ -294,8 +299,8 @@ fn decoder_grads_match(family: Family, interleaved: bool, tied: bool) {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        assert!(nz > 0.0, "{name}: zero gradient");
-        assert_close(&format!("{family:?} {name}"), a, b, 1e-4);
+        assert!(nz > 0.0, "{what} {name}: zero gradient");
+        assert_close(&format!("{what} {name}"), a, b, 1e-4);
     }
 }
 
@@ -343,15 +348,7 @@ fn token_terms_grads_match(family: Family) {
     .to_scalar()
     .unwrap();
     assert_eq!(off, 0.0, "terms outside the mask");
-    for (name, v) in model.named_vars() {
-        let a = gf
-            .get(v.as_tensor())
-            .unwrap_or_else(|| panic!("fused: no grad for {name}"));
-        let b = gs
-            .get(v.as_tensor())
-            .unwrap_or_else(|| panic!("slow: no grad for {name}"));
-        assert_close(&format!("{family:?} {name}"), a, b, 1e-4);
-    }
+    assert_same_grads(&format!("{family:?} token terms"), &model, &gf, &gs);
 }
 
 #[test]

@@ -19,9 +19,10 @@
 //! `loss.backward()`) inserts into the same `GradStore`, summed where a tensor is used twice (tied
 //! embeddings). Losses on next-token log-probs (SFT, GRPO) take [`token_terms_at`] instead: the
 //! same op outputs each position's `[log p, logsumexp, entropy]` and keeps the logits to itself,
-//! turning them into their gradient in place, so no vocabulary-wide tensor enters the graph. A trainer must therefore call [`backward`] instead of `Tensor::backward` — the
-//! decoder's parameters get no gradient otherwise (tests compare every parameter's gradient with
-//! the autograd path).
+//! turning them into their gradient in place, so no vocabulary-wide tensor enters the graph.
+//! A trainer must therefore call [`backward`] instead of `Tensor::backward` — the decoder's
+//! parameters get no gradient otherwise (tests compare every parameter's gradient with the
+//! autograd path).
 //!
 //! What it covers: dense f32 weights on the CPU (Llama and Qwen2 layouts, biases, GQA, both RoPE
 //! layouts, tied embeddings, LoRA adapters), rows right-padded from position 0. Anything else
@@ -528,17 +529,10 @@ pub fn forward_at(decoder: &Decoder, ids: &Tensor, rows: Option<&[usize]>) -> Re
         None => Shape::from((b, t, v)),
         Some(r) => Shape::from((r.len(), v)),
     };
-    let Some(tape) = tape else {
-        return Tensor::from_vec(data, shape, &decoder.device);
-    };
-    let anchor = Var::zeros(1, candle_core::DType::F32, &decoder.device)?;
-    anchor.as_tensor().apply_op1(TapeOp {
-        logits: Mutex::new(Some(data)),
-        shape,
-        vocab: v,
-        terms: None,
-        tape: Mutex::new(Some(tape)),
-    })
+    match tape {
+        None => Tensor::from_vec(data, shape, &decoder.device),
+        Some(tape) => tape_node(decoder, tape, data, v, None, shape),
+    }
 }
 
 /// Per selected position, `[log p(target), logsumexp, entropy]` of the next-token
@@ -553,39 +547,37 @@ pub fn token_terms_at(
     rows: &[usize],
     targets: &[u32],
 ) -> Result<Tensor> {
-    if targets.len() != rows.len() {
-        bail!(
-            "train pass: {} targets for {} positions",
-            targets.len(),
-            rows.len()
-        );
-    }
     let (data, v, tape) = run_forward(decoder, ids, Some(rows))?;
-    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
-        bail!("train pass: target {bad} is outside the vocabulary ({v})");
-    }
-    let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
-        o.copy_from_slice(&super::fused::token_stats_row(x, t as usize));
-    };
-    let mut stats = vec![0f32; rows.len() * 3];
-    stats
-        .par_chunks_mut(3)
-        .zip(data.par_chunks(v.max(1)).zip(targets.par_iter()))
-        .with_min_len(min_rows(v))
-        .for_each(row);
+    let stats = super::fused::token_stats(&data, v, targets, "train pass token terms")?;
     let shape = Shape::from((rows.len(), 3));
-    let Some(tape) = tape else {
-        return Tensor::from_vec(stats, shape, &decoder.device);
-    };
+    match tape {
+        None => Tensor::from_vec(stats, shape, &decoder.device),
+        Some(tape) => {
+            let terms = Terms {
+                targets: targets.to_vec(),
+                stats: Mutex::new(Some(stats)),
+            };
+            tape_node(decoder, tape, data, v, Some(terms), shape)
+        }
+    }
+}
+
+/// The graph node [`TapeOp`] on a fresh one-element `Var`: its output is the logits (`terms`
+/// `None`) or the token terms, of `shape`.
+fn tape_node(
+    decoder: &Decoder,
+    tape: Tape,
+    logits: Vec<f32>,
+    vocab: usize,
+    terms: Option<Terms>,
+    shape: Shape,
+) -> Result<Tensor> {
     let anchor = Var::zeros(1, candle_core::DType::F32, &decoder.device)?;
     anchor.as_tensor().apply_op1(TapeOp {
-        logits: Mutex::new(Some(data)),
+        logits: Mutex::new(Some(logits)),
         shape,
-        vocab: v,
-        terms: Some(Terms {
-            targets: targets.to_vec(),
-            stats: Mutex::new(Some(stats)),
-        }),
+        vocab,
+        terms,
         tape: Mutex::new(Some(tape)),
     })
 }

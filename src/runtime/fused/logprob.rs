@@ -20,28 +20,8 @@ impl CustomOp2 for TokenLogprobOp {
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
         let (x, t) = (f32s(s1, l1, name)?, u32s(s2, l2, name)?);
-        let v = last_dim(l1, name)?;
-        let n = x.len() / v;
-        if t.len() != n {
-            bail!("{name}: {} targets for {n} rows", t.len());
-        }
-        if let Some(&bad) = t.iter().find(|&&t| t as usize >= v) {
-            bail!("{name}: target {bad} out of range for vocabulary {v}");
-        }
-        let mut out = vec![0f32; n * 3];
-        let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
-            o.copy_from_slice(&token_stats_row(x, t as usize));
-        };
-        if x.len() < PAR_MIN_ELEMS {
-            out.chunks_mut(3)
-                .zip(x.chunks(v).zip(t.iter()))
-                .for_each(row);
-        } else {
-            out.par_chunks_mut(3)
-                .zip(x.par_chunks(v).zip(t.par_iter()))
-                .with_min_len(min_rows(v))
-                .for_each(row);
-        }
+        let out = token_stats(x, last_dim(l1, name)?, t, name)?;
+        let n = out.len() / 3;
         Ok((CpuStorage::F32(out), Shape::from((n, 3))))
     }
 
@@ -119,8 +99,39 @@ fn exp_sums(x: &[f32], m: f32) -> (f32, f32) {
 /// One row's target, stats and output gradients in [`logprob_grads_in_place`].
 type GradRowArgs<'a> = (&'a u32, (&'a [f32], &'a [f32]));
 
+/// Rows of logits `x` (`v` wide) and one target per row: (rows × 3) = `[log p(target),
+/// logsumexp, entropy]` per row, rows in parallel when there are enough. Errors (prefixed with
+/// `what`) when the targets do not match the rows or one is outside the vocabulary.
+pub(crate) fn token_stats(x: &[f32], v: usize, targets: &[u32], what: &str) -> Result<Vec<f32>> {
+    let n = x.len() / v.max(1);
+    if targets.len() != n || n * v != x.len() {
+        bail!(
+            "{what}: {} targets for {n} rows of {v} logits",
+            targets.len()
+        );
+    }
+    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!("{what}: target {bad} out of range for vocabulary {v}");
+    }
+    let mut out = vec![0f32; n * 3];
+    let row = |(o, (x, &t)): (&mut [f32], (&[f32], &u32))| {
+        o.copy_from_slice(&token_stats_row(x, t as usize));
+    };
+    if x.len() < PAR_MIN_ELEMS {
+        out.chunks_mut(3)
+            .zip(x.chunks(v).zip(targets.iter()))
+            .for_each(row);
+    } else {
+        out.par_chunks_mut(3)
+            .zip(x.par_chunks(v).zip(targets.par_iter()))
+            .with_min_len(min_rows(v))
+            .for_each(row);
+    }
+    Ok(out)
+}
+
 /// `[log p(t), logsumexp, entropy]` of one row of logits `x` and its target `t < x.len()`.
-pub(crate) fn token_stats_row(x: &[f32], t: usize) -> [f32; 3] {
+fn token_stats_row(x: &[f32], t: usize) -> [f32; 3] {
     let m = max_of(x);
     let (s, sx) = exp_sums(x, m);
     let lse = m + s.ln();

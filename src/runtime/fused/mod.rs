@@ -91,7 +91,7 @@ mod swiglu;
 mod tests;
 
 pub use adamw::{AdamWStep, adamw_update, fused_adamw_for, grad_norm, sum_squares};
-pub(crate) use logprob::{logprob_grads_in_place, token_stats_row};
+pub(crate) use logprob::{logprob_grads_in_place, token_stats};
 pub use logprob::{token_logprobs, token_logprobs_entropy};
 pub use norm::rms_norm;
 pub use rope::rope;
