@@ -26,6 +26,13 @@ Ops:
       the ground truth's is a forced termination; calls that are not identifiers' calls and
       steps left empty are dropped; then
       the official `multi_turn_checker.multi_turn_checker` (state and response checks).
+  {"op": "functions", "entry": {"id", "involved_classes", "missed_function"?}}
+      -> {"ok": true, "function": [doc, ...], "missed_function": {turn: [doc, ...]},
+          "additional_functions_prompt": "..."}
+      What the official inference offers the model: the entry after bfcl_eval's
+      `populate_test_cases_with_predefined_functions` (the classes' function docs, less those a
+      miss_func entry holds back until a later turn), and the user message of such a turn
+      (`DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC`). For conformance tests.
   {"op": "state"} -> {"ok": true, "state": {class: {attribute: value}}}
       The public attributes of the live instances (what the state check compares).
   {"op": "ground_truth_calls", "entry": {...}, "ground_truth": [[str]]}
@@ -51,6 +58,9 @@ import traceback
 PROTO = sys.stdout
 sys.stdout = sys.stderr  # the environments print; keep the protocol channel clean
 
+from bfcl_eval.constants.default_prompts import (  # noqa: E402
+    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
+)
 from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E402
 from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (  # noqa: E402
@@ -61,6 +71,7 @@ from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import (  # noqa: E
     is_empty_execute_response,
 )
 from bfcl_eval.model_handler.utils import convert_to_function_call  # noqa: E402
+from bfcl_eval.utils import populate_test_cases_with_predefined_functions  # noqa: E402
 
 MODEL = "envace"
 
@@ -259,6 +270,17 @@ class Bridge:
             }
         return {"state": json.loads(json.dumps(out, default=repr))}
 
+    def functions(self, req):
+        entry = copy.deepcopy(need(req, "entry", dict))
+        need(entry, "id", str)
+        need(entry, "involved_classes", list)
+        populate_test_cases_with_predefined_functions([entry])
+        return {
+            "function": entry["function"],
+            "missed_function": entry.get("missed_function", {}),
+            "additional_functions_prompt": DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
+        }
+
     def ground_truth_calls(self, req):
         entry = need(req, "entry", dict)
         classes = need(entry, "involved_classes", list)
@@ -303,6 +325,7 @@ def main():
         "execute": bridge.execute,
         "score": bridge.score,
         "ground_truth_calls": bridge.ground_truth_calls,
+        "functions": bridge.functions,
         "state": bridge.state,
     }
     for line in sys.stdin:

@@ -2,7 +2,10 @@
 //! (scripts/bfcl-multi-env.py, run with the venv scripts/fetch-bfcl builds): the ground truth
 //! replays as correct, a wrong call sequence fails naming its turn, recorded answers score the
 //! same when read back, and a live run of the bundled tiny model writes a well-formed responses
-//! file. A missing fixture fails the test, naming scripts/fetch-bfcl.
+//! file. The other multi-turn categories (miss_func, miss_param, long_context): the ground truth
+//! replays as correct, the functions offered per turn are the official inference's, and
+//! long-context entries load the classes' long-context data. A missing fixture fails the test,
+//! naming scripts/fetch-bfcl.
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -42,14 +45,27 @@ struct EvalBfcl {
     args: BfclEvalArgs,
 }
 
+const OTHER_CATEGORIES: [&str; 3] = [
+    "multi_turn_miss_func",
+    "multi_turn_miss_param",
+    "multi_turn_long_context",
+];
+
 fn eval(extra: &[&Path]) -> Value {
+    eval_category("multi_turn_base", extra)
+}
+
+fn eval_category(category: &str, extra: &[&Path]) -> Value {
     let data = data();
+    for c in OTHER_CATEGORIES {
+        fixture(&format!(".cache/bfcl/data/BFCL_v4_{c}.json"));
+    }
     let mut argv: Vec<&Path> = vec![
         Path::new("eval-bfcl"),
         Path::new("--data"),
         &data,
         Path::new("--category"),
-        Path::new("multi_turn_base"),
+        Path::new(category),
         Path::new("--json"),
     ];
     argv.extend_from_slice(extra);
@@ -249,7 +265,7 @@ fn environment_trait_runs_calls_on_the_official_instances_and_scores_a_trace() {
     let entries = load_multi_category(&data, "multi_turn_base").unwrap();
     let mut bridge = Bridge::spawn(&Bridge::default_python(&data)).unwrap();
     let truth = bridge.ground_truth_calls(&entries[0]).unwrap();
-    let mut env = BfclMultiEnv::new("multi_turn_base", entries[..2].to_vec(), bridge);
+    let mut env = BfclMultiEnv::new("multi_turn_base", entries[..2].to_vec(), bridge).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         assert!(env.reset(Some("multi_turn_base_7")).await.is_err());
@@ -302,4 +318,110 @@ fn environment_trait_runs_calls_on_the_official_instances_and_scores_a_trace() {
             "{score:?}"
         );
     });
+}
+
+#[test]
+fn other_categories_ground_truth_of_the_first_20_entries_scores_correct() {
+    for c in OTHER_CATEGORIES {
+        let v = eval_category(
+            c,
+            &[
+                Path::new("--ground-truth"),
+                Path::new("--limit"),
+                Path::new("20"),
+            ],
+        );
+        assert_eq!(
+            (&v["correct"], &v["total"]),
+            (&json!(20), &json!(20)),
+            "{c}: {v}"
+        );
+    }
+}
+
+#[test]
+fn offered_functions_per_turn_are_the_official_inferences_in_every_category() {
+    let data = data();
+    let mut bridge = Bridge::spawn(&Bridge::default_python(&data)).unwrap();
+    let mut held_out_entries = 0;
+    for c in std::iter::once("multi_turn_base").chain(OTHER_CATEGORIES) {
+        let path = fixture(&format!(".cache/bfcl/data/BFCL_v4_{c}.json"));
+        let raw: Vec<Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let entries = load_multi_category(&data, c).unwrap();
+        assert_eq!(entries.len(), raw.len(), "{c}");
+        // Every miss_func entry (the only category that holds functions back), 20 of the others.
+        let n = if c == "multi_turn_miss_func" {
+            raw.len()
+        } else {
+            20
+        };
+        for (e, r) in entries.iter().zip(&raw).take(n) {
+            let official = bridge.official_functions(r).unwrap();
+            assert_eq!(json!(e.functions), official["function"], "{}", e.id);
+            let missed = official["missed_function"].as_object().unwrap();
+            assert_eq!(missed.len(), e.held_out.len(), "{}", e.id);
+            for (turn, docs) in &e.held_out {
+                assert_eq!(
+                    &json!(docs),
+                    &missed[&turn.to_string()],
+                    "{} turn {turn}",
+                    e.id
+                );
+                assert_eq!(
+                    e.turn_messages(*turn)[0].content,
+                    official["additional_functions_prompt"].as_str().unwrap(),
+                    "{}",
+                    e.id
+                );
+                // Before its turn the held-out function is not offered; from it on it is.
+                let name = docs[0]["name"].as_str().unwrap();
+                let offered = |t: usize| e.tools_at(t).iter().any(|s| s.name == name);
+                assert!(!offered(turn - 1) && offered(*turn), "{} {name}", e.id);
+            }
+            held_out_entries += usize::from(!e.held_out.is_empty());
+        }
+    }
+    assert_eq!(
+        held_out_entries, 200,
+        "every miss_func entry holds a function back"
+    );
+
+    // The Environment trait offers one tool list per episode: miss_func is refused, by name.
+    use envace::env::bfcl_multi::BfclMultiEnv;
+    let entries = load_multi_category(&data, "multi_turn_miss_func").unwrap();
+    let e = BfclMultiEnv::new("multi_turn_miss_func", entries[..1].to_vec(), bridge)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("multi_turn_miss_func_0") && e.contains("eval bfcl"),
+        "{e}"
+    );
+}
+
+#[test]
+fn long_context_entries_load_the_long_context_data() {
+    let data = data();
+    let entries = load_multi_category(&data, "multi_turn_long_context").unwrap();
+    let mut bridge = Bridge::spawn(&Bridge::default_python(&data)).unwrap();
+    let long = &entries[1];
+    assert_eq!(long.involved_classes, ["GorillaFileSystem"]);
+    bridge.reset(long).unwrap();
+    let with = bridge.state().unwrap().to_string();
+    // The same entry under a base id: the executor decides long context from the category.
+    let mut short = long.clone();
+    short.id = "multi_turn_base_999".into();
+    bridge.reset(&short).unwrap();
+    let without = bridge.state().unwrap().to_string();
+    assert!(
+        with.len() > without.len() + 1000,
+        "{} vs {}",
+        with.len(),
+        without.len()
+    );
 }

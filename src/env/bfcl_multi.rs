@@ -1,4 +1,5 @@
-//! BFCL-v4 multi-turn categories (`multi_turn_base`), run against the official executable
+//! BFCL-v4 multi-turn categories (`multi_turn_base`, `multi_turn_miss_func`,
+//! `multi_turn_miss_param`, `multi_turn_long_context`), run against the official executable
 //! environments. BFCL scores a multi-turn answer by executing it — GorillaFileSystem, MathAPI,
 //! TwitterAPI, … are Python classes whose state and call results the official checker compares
 //! with the ground truth's — so this module does not re-implement them: it drives
@@ -13,6 +14,13 @@
 //! step, the calls), scoring through the official checker, ground-truth-derived answers, and
 //! [`BfclMultiEnv`], the bridge behind the crate's [`Environment`] trait. Like `env::bfcl`, it
 //! knows no model: a [`BfclResponder`] answers each step.
+//!
+//! The categories differ only in their data, except `miss_func`: its entries hold functions
+//! back (`missed_function`: turn → names). As BFCL's `populate_test_cases_with_predefined_functions`
+//! does, those are taken out of the offered list; at their turn (whose question is empty) they
+//! join it and the user message is BFCL's [`ADDITIONAL_FUNCTIONS_PROMPT`]. `long_context` loads
+//! the classes with their long-context data, which the bridge decides from the entry id, as the
+//! official executor does.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -41,6 +49,11 @@ const BRIDGE_SOURCE: &str = include_str!("../../scripts/bfcl-multi-env.py");
 /// BFCL's own step limit per turn (`MAXIMUM_STEP_LIMIT` in bfcl_eval/constants): a turn with
 /// more steps than this force-quits the entry.
 pub const DEFAULT_MAX_STEPS: usize = 20;
+
+/// The user message of a turn whose held-out functions become available (bfcl_eval's
+/// `DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC`).
+pub const ADDITIONAL_FUNCTIONS_PROMPT: &str =
+    "I have updated some more functions you can choose from. What about now?";
 
 /// The function-doc file of each class (bfcl_eval's `MULTI_TURN_FUNC_DOC_FILE_MAPPING`).
 const FUNC_DOCS: [(&str, &str); 12] = [
@@ -71,6 +84,15 @@ pub enum BfclMultiError {
     },
     #[error("{path}: {message}")]
     FuncDoc { path: PathBuf, message: String },
+    #[error("{path}:{line}: entry `{id}`: `missed_function`: {message}")]
+    MissedFunction {
+        path: PathBuf,
+        line: usize,
+        id: String,
+        message: String,
+    },
+    #[error("category `{category}`: {message}")]
+    Unsupported { category: String, message: String },
     #[error("{python}: not found (run scripts/fetch-bfcl)")]
     NoPython { python: PathBuf },
     #[error("{script}: entry `{id}`: {message}")]
@@ -91,19 +113,29 @@ pub struct MultiEntry {
     pub question: Vec<Vec<Value>>,
     pub initial_config: Value,
     pub involved_classes: Vec<String>,
-    /// The function docs of the involved classes, in their order (BFCL's
-    /// `populate_test_cases_with_predefined_functions`; `excluded_function` is not applied there
-    /// either).
+    /// The function docs offered from the first turn: those of the involved classes, in their
+    /// order, less the held-out ones (BFCL's `populate_test_cases_with_predefined_functions`;
+    /// `excluded_function` is not applied there either).
     pub functions: Vec<Value>,
+    /// `miss_func`: per turn (ascending), the function docs held out until that turn, in the
+    /// order the entry names them. Empty in the other categories.
+    pub held_out: Vec<(usize, Vec<Value>)>,
     /// Per turn, the ground truth's call strings (`cd(folder='document')`).
     pub ground_truth: Vec<Vec<String>>,
 }
 
 impl MultiEntry {
-    /// The functions as tool specs (BFCL's `"type": "dict"` becomes `"object"`).
-    pub fn tools(&self) -> Vec<ToolSpec> {
+    /// The functions offered at turn `t`, as tool specs (BFCL's `"type": "dict"` becomes
+    /// `"object"`): the first turn's, then each held-out group appended at its turn.
+    pub fn tools_at(&self, t: usize) -> Vec<ToolSpec> {
+        let held = self
+            .held_out
+            .iter()
+            .filter(|(turn, _)| *turn <= t)
+            .flat_map(|(_, docs)| docs);
         self.functions
             .iter()
+            .chain(held)
             .map(|f| ToolSpec {
                 name: f["name"].as_str().unwrap_or_default().to_string(),
                 description: f["description"].as_str().unwrap_or_default().to_string(),
@@ -113,8 +145,17 @@ impl MultiEntry {
             .collect()
     }
 
-    /// The messages of turn `t`, roles kept (an unknown role is read as the user's).
+    /// Whether turn `t` is one where held-out functions join the list.
+    pub fn adds_functions_at(&self, t: usize) -> bool {
+        self.held_out.iter().any(|(turn, _)| *turn == t)
+    }
+
+    /// The messages of turn `t`, roles kept (an unknown role is read as the user's); at a turn
+    /// where held-out functions join, BFCL's [`ADDITIONAL_FUNCTIONS_PROMPT`].
     pub fn turn_messages(&self, t: usize) -> Vec<Message> {
+        if self.adds_functions_at(t) {
+            return vec![Message::user(ADDITIONAL_FUNCTIONS_PROMPT)];
+        }
         self.question
             .get(t)
             .map(|turn| crate::env::bfcl::turn_messages(turn))
@@ -180,6 +221,28 @@ pub fn load_multi_category(dir: &Path, category: &str) -> Result<Vec<MultiEntry>
             }
             functions.extend(docs[class].iter().cloned());
         }
+        let question: Vec<Vec<Value>> = field(q, "question", &qpath, line)?;
+        let held_out = match q.get("missed_function") {
+            None => Vec::new(),
+            Some(m) => hold_out(m, &mut functions, question.len()).map_err(|message| {
+                BfclMultiError::MissedFunction {
+                    path: qpath.clone(),
+                    line,
+                    id: id.clone(),
+                    message,
+                }
+            })?,
+        };
+        for (t, _) in &held_out {
+            if !question[*t].is_empty() {
+                return Err(BfclMultiError::MissedFunction {
+                    path: qpath.clone(),
+                    line,
+                    id,
+                    message: format!("turn {t} adds functions but has a question"),
+                });
+            }
+        }
         let ground_truth = answers
             .remove(&id)
             .ok_or_else(|| BfclError::MissingAnswer {
@@ -187,14 +250,54 @@ pub fn load_multi_category(dir: &Path, category: &str) -> Result<Vec<MultiEntry>
                 id: id.clone(),
             })?;
         out.push(MultiEntry {
-            question: field(q, "question", &qpath, line)?,
+            question,
             initial_config: q.get("initial_config").cloned().unwrap_or(json!({})),
             involved_classes,
             functions,
+            held_out,
             ground_truth,
             id,
         });
     }
+    Ok(out)
+}
+
+/// Take an entry's `missed_function` (`{"3": ["sort"]}`) out of `functions`: per name, its
+/// first doc moves to the turn's group (BFCL's `populate_test_cases_with_predefined_functions`,
+/// which skips a name it cannot find; here that is an error, as is a turn past the entry's).
+fn hold_out(
+    missed: &Value,
+    functions: &mut Vec<Value>,
+    turns: usize,
+) -> Result<Vec<(usize, Vec<Value>)>, String> {
+    let map = missed
+        .as_object()
+        .ok_or("expected an object of turn → function names")?;
+    let mut out = Vec::new();
+    for (key, names) in map {
+        let turn: usize = key
+            .parse()
+            .map_err(|_| format!("`{key}` is not a turn index"))?;
+        if turn >= turns {
+            return Err(format!("turn {turn}, but the entry has {turns} turns"));
+        }
+        let names = names
+            .as_array()
+            .ok_or_else(|| format!("turn {turn}: expected a list of function names"))?;
+        let mut docs = Vec::new();
+        for name in names {
+            let name = name
+                .as_str()
+                .ok_or_else(|| format!("turn {turn}: {name} is not a function name"))?;
+            let i = functions
+                .iter()
+                .position(|f| f["name"] == name)
+                .ok_or_else(|| format!("turn {turn}: `{name}` is no function of the entry"))?;
+            docs.push(functions.remove(i));
+        }
+        out.push((turn, docs));
+    }
+    out.sort_by_key(|(turn, _)| *turn);
     Ok(out)
 }
 
@@ -355,6 +458,18 @@ impl Bridge {
         verdict
     }
 
+    /// What the official inference offers the model for a raw entry of a category file
+    /// (`{"function": [doc], "missed_function": {turn: [doc]}, "additional_functions_prompt"}`):
+    /// bfcl_eval's own `populate_test_cases_with_predefined_functions`, for conformance checks
+    /// of [`load_multi_category`].
+    pub fn official_functions(&mut self, raw_entry: &Value) -> Result<Value, BfclMultiError> {
+        let id = raw_entry["id"].as_str().unwrap_or("-").to_string();
+        let saved = std::mem::replace(&mut self.entry, id);
+        let reply = self.request(&json!({"op": "functions", "entry": raw_entry}));
+        self.entry = saved;
+        reply
+    }
+
     /// The ground truth as named-argument calls, one list per turn.
     pub fn ground_truth_calls(
         &mut self,
@@ -414,12 +529,12 @@ pub fn run_entry(
     executor: &mut dyn StepExecutor,
     max_steps: usize,
 ) -> Result<MultiResponse, BfclMultiError> {
-    let tools = entry.tools();
     let mut messages: Vec<Message> = Vec::new();
     let mut turns = Vec::new();
     let mut raw = Vec::new();
     let mut n_calls = 0usize;
     for t in 0..entry.question.len() {
+        let tools = entry.tools_at(t);
         messages.extend(entry.turn_messages(t));
         let mut steps = Vec::new();
         let mut texts = Vec::new();
@@ -634,13 +749,30 @@ pub struct BfclMultiEnv {
 }
 
 impl BfclMultiEnv {
-    pub fn new(category: &str, entries: Vec<MultiEntry>, bridge: Bridge) -> Self {
-        Self {
+    /// Refuses entries that hold functions back (`multi_turn_miss_func`): the trait offers one
+    /// tool list per episode, and offering them all from the first turn would change the task;
+    /// `envace eval bfcl` ([`run_entry`]) runs those.
+    pub fn new(
+        category: &str,
+        entries: Vec<MultiEntry>,
+        bridge: Bridge,
+    ) -> Result<Self, BfclMultiError> {
+        if let Some(e) = entries.iter().find(|e| !e.held_out.is_empty()) {
+            return Err(BfclMultiError::Unsupported {
+                category: category.to_string(),
+                message: format!(
+                    "entry `{}` adds functions in a later turn, which one episode's tool list \
+                     cannot express; run it with `envace eval bfcl`",
+                    e.id
+                ),
+            });
+        }
+        Ok(Self {
             category: category.to_string(),
             entries,
             current: None,
             bridge,
-        }
+        })
     }
 
     fn entry(&self) -> Result<&MultiEntry, EnvError> {
@@ -661,7 +793,7 @@ impl Environment for BfclMultiEnv {
     }
 
     async fn tools(&mut self) -> Result<Vec<ToolSpec>, EnvError> {
-        Ok(self.entry().map(MultiEntry::tools).unwrap_or_default())
+        Ok(self.entry().map(|e| e.tools_at(0)).unwrap_or_default())
     }
 
     async fn reset(&mut self, task_id: Option<&str>) -> Result<(), EnvError> {
@@ -801,6 +933,7 @@ mod tests {
             involved_classes: vec!["MathAPI".into()],
             functions: vec![json!({"name": "ls", "description": "list",
                 "parameters": {"type": "dict", "properties": {}}})],
+            held_out: vec![],
             ground_truth: vec![vec![]; turns],
         }
     }
@@ -898,9 +1031,69 @@ mod tests {
         assert!(e.contains("scripts/fetch-bfcl"), "{e}");
     }
 
+    fn doc(name: &str) -> Value {
+        json!({"name": name, "description": name, "parameters": {"type": "dict", "properties": {}}})
+    }
+
+    #[test]
+    fn held_out_functions_leave_the_list_and_join_it_at_their_turn_with_bfcls_prompt() {
+        let mut functions = vec![doc("ls"), doc("sort"), doc("cd"), doc("wc")];
+        let held = hold_out(&json!({"2": ["wc", "sort"]}), &mut functions, 4).unwrap();
+        assert_eq!(functions, vec![doc("ls"), doc("cd")]);
+        assert_eq!(held, vec![(2, vec![doc("wc"), doc("sort")])]);
+
+        let mut e = entry(4);
+        e.functions = functions;
+        e.held_out = held;
+        e.question[2].clear();
+        let names = |t| -> Vec<String> { e.tools_at(t).into_iter().map(|s| s.name).collect() };
+        assert_eq!(names(1), ["ls", "cd"]);
+        assert_eq!(names(2), ["ls", "cd", "wc", "sort"]);
+        assert_eq!(names(3), names(2));
+        assert_eq!(e.turn_messages(2)[0].content, ADDITIONAL_FUNCTIONS_PROMPT);
+        assert_eq!(e.turn_messages(1)[0].content, "do 1");
+
+        // The turn loop offers each turn its own list.
+        struct Tools(Vec<Vec<String>>);
+        impl BfclResponder for Tools {
+            fn respond(&mut self, _entry: &BfclEntry) -> Result<BfclResponse, BoxError> {
+                Err("multi-turn only".into())
+            }
+            fn chat(
+                &mut self,
+                _messages: &[Message],
+                tools: &[ToolSpec],
+            ) -> Result<(Vec<ToolCall>, String), BoxError> {
+                self.0.push(tools.iter().map(|t| t.name.clone()).collect());
+                Ok((vec![], "ok".into()))
+            }
+        }
+        let mut r = Tools(vec![]);
+        run_entry(&e, &mut r, &mut Echo(0), 20).unwrap();
+        assert_eq!(r.0.len(), 4);
+        assert_eq!(r.0[1], names(1));
+        assert_eq!(r.0[2], names(2));
+    }
+
+    #[test]
+    fn a_bad_missed_function_is_refused_naming_the_turn_or_the_name() {
+        let mut functions = vec![doc("ls")];
+        let e = hold_out(&json!({"1": ["sort"]}), &mut functions, 3).unwrap_err();
+        assert!(e.contains("turn 1") && e.contains("`sort`"), "{e}");
+        let e = hold_out(&json!({"5": ["ls"]}), &mut functions, 3).unwrap_err();
+        assert!(e.contains("turn 5") && e.contains("3 turns"), "{e}");
+        let e = hold_out(&json!({"x": ["ls"]}), &mut functions, 3).unwrap_err();
+        assert!(e.contains("`x`"), "{e}");
+        assert_eq!(
+            functions,
+            vec![doc("ls")],
+            "nothing taken on errors before the name"
+        );
+    }
+
     #[test]
     fn tools_offer_the_class_functions_as_objects() {
-        let tools = entry(1).tools();
+        let tools = entry(1).tools_at(0);
         assert_eq!(tools[0].name, "ls");
         assert_eq!(tools[0].input_schema["type"], "object");
     }
