@@ -417,6 +417,11 @@ pub struct PretrainArgs {
     /// simulator example, and an actor example that recovers with the gold call.
     #[arg(long, default_value_t = 0.3)]
     pub slip_fraction: f64,
+    /// Where a slip's new id or amount comes from: `split` (the train split's own values, so
+    /// no test-split value enters the corpus) or `any` (the whole range, a quarter of it the
+    /// test split's: how the bundled models were trained; their commands pass it).
+    #[arg(long, value_enum, default_value_t = envace::train::pretrain::SlipValues::Split)]
+    pub slip_values: envace::train::pretrain::SlipValues,
     /// Copy drills per task (short conversations that echo train-split entities exactly; a
     /// fraction is a probability: 2.5 = two drills, and a third half the time).
     #[arg(long, default_value_t = 1.0, value_parser = parse_per_task)]

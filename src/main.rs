@@ -224,6 +224,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.sim_per_task = a.sim_per_task;
     cfg.corpus.memory_fraction = a.memory_fraction;
     cfg.corpus.slip_fraction = a.slip_fraction;
+    cfg.corpus.slip_values = a.slip_values;
     cfg.corpus.copy_per_task = a.copy_per_task;
     cfg.corpus.recorded_fraction = a.recorded_fraction;
     cfg.corpus.random_copy_fraction = a.random_copy;

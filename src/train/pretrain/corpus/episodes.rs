@@ -19,6 +19,8 @@ use crate::engine::types::{
     RecordedExample, SimulatedOutcome,
 };
 use crate::env::ToolSpec;
+use crate::env::domains::held_out;
+use crate::env::tasks::Split;
 use crate::env::tasks::Task;
 use crate::message::{Message, Role, ToolCall};
 use crate::runtime::chat_template::ChatTemplate;
@@ -42,8 +44,17 @@ pub(super) fn recorded_pool(calls: &[GoldCall], k: usize, whole_run: bool) -> Ve
 }
 
 /// A copy of `call` with one id argument (`prefix_N`) renumbered, or, without ids, one integer
-/// argument changed: the kind of slip a rehearsal branch makes.
-pub(super) fn corrupt_call(call: &ToolCall, rng: &mut StdRng) -> Option<ToolCall> {
+/// argument changed: the kind of slip a rehearsal branch makes. With `within: Some(split)` the
+/// new number belongs to that split's part of the range (ids and amounts are split by
+/// [`held_out`]), so a train-split corpus never shows a test-split id or amount, not even as a
+/// slip's `not_found`; `None` draws from the whole range (how corpora were built before
+/// `--slip-values`, kept so that their commands reproduce).
+pub(super) fn corrupt_call(
+    call: &ToolCall,
+    rng: &mut StdRng,
+    within: Option<Split>,
+) -> Option<ToolCall> {
+    let fits = |v: i64| within.is_none_or(|split| held_out(v) == (split == Split::Test));
     let args = call.arguments.as_object()?;
     let keys: Vec<&String> = args.keys().collect();
     let ids: Vec<&String> = keys
@@ -68,22 +79,25 @@ pub(super) fn corrupt_call(call: &ToolCall, rng: &mut StdRng) -> Option<ToolCall
         let n: i64 = n.parse().ok()?;
         let m = loop {
             let m = rng.random_range(100..=999);
-            if m != n {
+            if m != n && fits(m) {
                 break m;
             }
         };
         new.insert((*k).clone(), Value::String(format!("{prefix}_{m}")));
     } else if let Some(k) = ints.choose(rng) {
         let n = args[k.as_str()].as_i64()?;
-        let delta = rng.random_range(1..=200);
-        new.insert(
-            (*k).clone(),
-            json!(if rng.random::<bool>() {
+        // At most 1000 draws: the range always holds values of both splits, but a tiny `n`
+        // clamped at 1 may not; then the slip is skipped.
+        let m = (0..1000).find_map(|_| {
+            let delta = rng.random_range(1..=200);
+            let m = if rng.random::<bool>() {
                 n + delta
             } else {
                 (n - delta).max(1)
-            }),
-        );
+            };
+            (m != n && fits(m) || within.is_none()).then_some(m)
+        })?;
+        new.insert((*k).clone(), json!(m));
     } else {
         return None;
     }
@@ -105,6 +119,8 @@ pub(super) struct SlipInput<'a> {
     /// The simulator example's pool is the whole recorded run (see
     /// [`CorpusConfig`](super::CorpusConfig)).
     pub(super) recorded: bool,
+    /// The split whose values a slip draws (see [`corrupt_call`]).
+    pub(super) within: Option<Split>,
 }
 
 /// A slip of one gold call, answered by the domain's real response: a simulator example for
@@ -119,7 +135,7 @@ pub(super) fn slip_examples(
     }
     let k = rng.random_range(0..x.calls.len());
     let gc = &x.calls[k];
-    let Some(bad) = corrupt_call(&gc.call, rng) else {
+    let Some(bad) = corrupt_call(&gc.call, rng, x.within) else {
         return Ok(Vec::new());
     };
     let d = x
@@ -177,6 +193,7 @@ pub(super) fn memory_example(
     task: &Task,
     msgs: &[Message],
     calls: &[GoldCall],
+    within: Option<Split>,
     rng: &mut StdRng,
 ) -> Result<Option<Segmented>, TrainError> {
     let d = task.domain().map_err(|e| TrainError::Data(e.to_string()))?;
@@ -234,7 +251,7 @@ pub(super) fn memory_example(
     let mut branches = Vec::new();
     for i in 0..4 {
         if i < wrong {
-            let Some(bad) = corrupt_call(&gc.call, rng) else {
+            let Some(bad) = corrupt_call(&gc.call, rng, within) else {
                 return Ok(None);
             };
             let resp = d

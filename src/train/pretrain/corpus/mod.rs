@@ -61,6 +61,10 @@ pub struct CorpusConfig {
     /// response is an error, an actor example recovering with the gold call.
     #[serde(default)]
     pub slip_fraction: f64,
+    /// Where a slip's new id or amount comes from: the corpus split's own values, or the whole
+    /// range. A config recorded before this field existed was built with the whole range.
+    #[serde(default = "SlipValues::legacy")]
+    pub slip_values: SlipValues,
     /// Copy drills per task (a fraction is a probability; 2.5 = two, and a third half the
     /// time): short conversations whose reply repeats a list of train-split
     /// entities (ids, names, amounts, places) exactly. Dense practice of the one skill the
@@ -134,6 +138,33 @@ fn is_default<T: Default + PartialEq>(x: &T) -> bool {
     *x == T::default()
 }
 
+/// Where a slipped call's new id or amount is drawn from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum SlipValues {
+    /// The corpus split's part of the range: a train-split corpus never mentions a test-split
+    /// id or amount, not even as the `not_found` of a slip.
+    #[default]
+    Split,
+    /// The whole range, a quarter of it the test split's: how every corpus was built before
+    /// this option (the bundled models included), kept so that their commands reproduce.
+    Any,
+}
+
+impl SlipValues {
+    fn legacy() -> Self {
+        Self::Any
+    }
+
+    /// The split a slip's values must belong to, if any.
+    fn within(self, split: Split) -> Option<Split> {
+        match self {
+            Self::Split => Some(split),
+            Self::Any => None,
+        }
+    }
+}
+
 /// Which compact template a model trained here speaks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -161,6 +192,7 @@ impl Default for CorpusConfig {
             sim_per_task: 0,
             memory_fraction: 0.0,
             slip_fraction: 0.0,
+            slip_values: SlipValues::Split,
             copy_per_task: 0.0,
             recorded_fraction: 0.0,
             random_copy_fraction: 0.0,
@@ -286,7 +318,15 @@ pub fn corpus(
             }
             if cfg.memory_fraction > 0.0
                 && rng.random::<f64>() < cfg.memory_fraction
-                && let Some(m) = memory_example(&t, &tj, &task, &msgs, &calls, &mut rng)?
+                && let Some(m) = memory_example(
+                    &t,
+                    &tj,
+                    &task,
+                    &msgs,
+                    &calls,
+                    cfg.slip_values.within(split),
+                    &mut rng,
+                )?
             {
                 out.push(m);
             }
@@ -300,6 +340,7 @@ pub fn corpus(
                     msgs: &msgs,
                     calls: &calls,
                     recorded: recorded(cfg, &mut rng),
+                    within: cfg.slip_values.within(split),
                 };
                 out.extend(slip_examples(&slip, &mut rng)?);
             }

@@ -15,6 +15,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         sim_per_task: 1,
         memory_fraction,
         slip_fraction: 0.0,
+        slip_values: SlipValues::Any,
         copy_per_task: 0.0,
         recorded_fraction: 0.0,
         random_copy_fraction: 0.0,
@@ -603,6 +604,73 @@ fn spelling_drills_copy_each_listed_word_into_one_call() {
     assert_eq!(drills(&two), 2 * 30);
 }
 
+/// The id numbers (`acc_471` → 471, 100..=999) in a corpus's texts that are test-split values.
+fn test_split_ids(texts: &[Segmented]) -> Vec<String> {
+    let mut out = Vec::new();
+    for t in texts {
+        let text = t.text();
+        for w in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if let Some((_, n)) = w.rsplit_once('_')
+                && let Ok(n) = n.parse::<i64>()
+                && (100..=999).contains(&n)
+                && crate::env::domains::held_out(n)
+            {
+                out.push(w.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn slips_draw_the_splits_own_ids_and_amounts_unless_told_any() {
+    // A train-split corpus made of slips and rehearsal memories (whose wrong branches are slips).
+    let c = CorpusConfig {
+        slip_fraction: 1.0,
+        memory_fraction: 1.0,
+        ..cfg(0.0)
+    };
+    let any = bank_train(&c);
+    let leaked = test_split_ids(&any);
+    assert!(
+        leaked.len() > 10,
+        "the whole range leaks test ids: {leaked:?}"
+    );
+    let split = bank_train(&CorpusConfig {
+        slip_values: SlipValues::Split,
+        ..c
+    });
+    assert!(split.len() > 100);
+    assert_eq!(test_split_ids(&split), Vec::<String>::new());
+
+    // Amounts too: without ids in the call, the changed integer is a train-split value.
+    let mut rng = StdRng::seed_from_u64(3);
+    let pay = ToolCall {
+        name: "pay".into(),
+        arguments: json!({"amount": 300}),
+    };
+    let mut any_test_value = false;
+    for _ in 0..200 {
+        let m = corrupt_call(&pay, &mut rng, Some(Split::Train))
+            .unwrap()
+            .arguments["amount"]
+            .as_i64()
+            .unwrap();
+        assert!(m != 300 && !crate::env::domains::held_out(m), "{m}");
+        let m = corrupt_call(&pay, &mut rng, Some(Split::Test))
+            .unwrap()
+            .arguments["amount"]
+            .as_i64()
+            .unwrap();
+        assert!(crate::env::domains::held_out(m), "{m}");
+        let m = corrupt_call(&pay, &mut rng, None).unwrap().arguments["amount"]
+            .as_i64()
+            .unwrap();
+        any_test_value |= crate::env::domains::held_out(m);
+    }
+    assert!(any_test_value);
+}
+
 #[test]
 fn a_slip_changes_exactly_one_argument() {
     let mut rng = StdRng::seed_from_u64(1);
@@ -611,7 +679,7 @@ fn a_slip_changes_exactly_one_argument() {
         arguments: json!({"src": "acc_120", "dst": "acc_450", "amount": 75}),
     };
     for _ in 0..50 {
-        let bad = corrupt_call(&call, &mut rng).unwrap();
+        let bad = corrupt_call(&call, &mut rng, None).unwrap();
         let (a, b) = (
             call.arguments.as_object().unwrap(),
             bad.arguments.as_object().unwrap(),
@@ -624,7 +692,7 @@ fn a_slip_changes_exactly_one_argument() {
         name: "x".into(),
         arguments: json!({"note": "hi"}),
     };
-    assert!(corrupt_call(&no_args, &mut rng).is_none());
+    assert!(corrupt_call(&no_args, &mut rng, None).is_none());
 }
 
 #[test]
