@@ -381,7 +381,8 @@ fn offered_functions_per_turn_are_the_official_inferences_in_every_category() {
                 // Before its turn the held-out function is not offered; from it on it is.
                 let name = docs[0]["name"].as_str().unwrap();
                 let offered = |t: usize| e.tools_at(t).iter().any(|s| s.name == name);
-                assert!(!offered(turn - 1) && offered(*turn), "{} {name}", e.id);
+                let before = turn.checked_sub(1).is_none_or(|t| !offered(t));
+                assert!(before && offered(*turn), "{} {name}", e.id);
             }
             held_out_entries += usize::from(!e.held_out.is_empty());
         }
