@@ -1,5 +1,8 @@
 //! Aggregate episode outcomes into the summary `envace eval` prints: success rate, mean reward,
-//! format error rate, simulator fidelity (when a real environment answered), tokens, time.
+//! format error rate, simulator fidelity (when a real environment answered), tokens, time, and
+//! for built-in domains the successes per task kind (which decisions a policy gets wrong).
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +26,17 @@ pub struct EvalSummary {
     pub tokens: usize,
     pub seconds: f64,
     pub fidelity: FidelityTable,
+    /// Per task kind (`pay_if_enough`, `cheapest`, ...; built-in domains), episodes and
+    /// successes: empty where the tasks have no kind.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kinds: BTreeMap<String, KindCount>,
+}
+
+/// Episodes of one task kind, and how many succeeded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KindCount {
+    pub tasks: usize,
+    pub successes: usize,
 }
 
 impl EvalSummary {
@@ -50,7 +64,26 @@ impl EvalSummary {
             tokens: outcomes.iter().map(|o| o.stats.generated_tokens).sum(),
             seconds,
             fidelity,
+            kinds: BTreeMap::new(),
         }
+    }
+
+    /// The same summary with successes counted per task kind: `kinds[i]` is the kind of the task
+    /// of `outcomes[i]` given to [`Self::from_outcomes`] (an empty kind is not counted).
+    pub fn with_kinds<'a>(
+        mut self,
+        kinds: impl IntoIterator<Item = &'a str>,
+        outcomes: &[EpisodeOutcome],
+    ) -> Self {
+        for (kind, o) in kinds.into_iter().zip(outcomes) {
+            if kind.is_empty() {
+                continue;
+            }
+            let c = self.kinds.entry(kind.to_string()).or_default();
+            c.tasks += 1;
+            c.successes += usize::from(o.reward() >= 1.0);
+        }
+        self
     }
 }
 
@@ -99,6 +132,37 @@ mod tests {
         assert_eq!(s.sim_exact_match, Some(1.0));
         assert_eq!(s.aborted, 1);
         assert_eq!(s.tokens, 16);
+    }
+
+    #[test]
+    fn successes_are_counted_per_task_kind() {
+        let outcomes = [
+            outcome(Some(1.0), 1, 0, 1),
+            outcome(Some(0.5), 1, 0, 1),
+            outcome(Some(1.0), 1, 0, 1),
+            outcome(None, 0, 0, 1),
+            outcome(Some(1.0), 1, 0, 1),
+        ];
+        let s = EvalSummary::from_outcomes(&outcomes, 1.0).with_kinds(
+            ["cheapest", "cheapest", "balance", "balance", ""],
+            &outcomes,
+        );
+        let count = |tasks, successes| KindCount { tasks, successes };
+        assert_eq!(
+            s.kinds.len(),
+            2,
+            "an empty kind is not counted: {:?}",
+            s.kinds
+        );
+        assert_eq!(s.kinds["cheapest"], count(2, 1));
+        assert_eq!(s.kinds["balance"], count(2, 1));
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["kinds"]["cheapest"], json!({"tasks": 2, "successes": 1}));
+        // Without kinds the key is left out, and an old summary without it still reads.
+        let plain = serde_json::to_value(EvalSummary::from_outcomes(&outcomes, 1.0)).unwrap();
+        assert!(plain.get("kinds").is_none());
+        let back: EvalSummary = serde_json::from_value(plain).unwrap();
+        assert!(back.kinds.is_empty());
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub use driver::{
     SharedModel, share_model,
 };
 pub use episode::{ConfigError, EpisodeConfig, ModeChoice};
-pub use eval::EvalSummary;
+pub use eval::{EvalSummary, KindCount};
 pub use fork::{ForkEdit, ForkError, ForkRequest, ForkSpec, fork_path, fork_spec};
 pub use fsm::{
     ApprovalRequest, Effect, Engine, EngineError, EpisodeOutcome, EpisodeStats, Event,

@@ -380,8 +380,9 @@ pub async fn eval_domain(
         outcomes.push((task.id.clone(), o));
     }
     let only: Vec<EpisodeOutcome> = outcomes.iter().map(|(_, o)| o.clone()).collect();
+    let kinds = tasks.iter().take(only.len()).map(|t| t.kind.as_str());
     Ok((
-        EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()),
+        EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()).with_kinds(kinds, &only),
         outcomes,
     ))
 }
