@@ -467,6 +467,10 @@ pub struct PretrainArgs {
     /// the word as a JSON string value, where a tokenizer splits it in other pieces.
     #[arg(long, default_value_t = 0.0, value_parser = parse_per_task)]
     pub spell_drills: f64,
+    /// Actor turns after a list of flights first compare the prices two at a time in their own
+    /// text (`fl_375 357 or fl_817 122: fl_817.`), then call or answer.
+    #[arg(long)]
+    pub price_steps: bool,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]

@@ -34,6 +34,7 @@ use crate::train::TrainError;
 pub mod calc_drill;
 mod drills;
 mod episodes;
+mod steps;
 pub(super) mod text;
 pub mod tool_drill;
 
@@ -114,6 +115,10 @@ pub struct CorpusConfig {
     /// 3-8 real words of the request copied into the JSON strings of as many calls.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub spell_drills_per_task: f64,
+    /// Write price comparisons (see [`steps`]) at the start of every actor turn that follows a
+    /// list of flights: `fl_375 357 or fl_817 122: fl_817.`, then the call or answer.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub price_steps: bool,
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
@@ -132,6 +137,10 @@ const CALC_TWINS: f64 = 0.5;
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
+}
+
+fn is_false(x: &bool) -> bool {
+    !*x
 }
 
 fn is_default<T: Default + PartialEq>(x: &T) -> bool {
@@ -202,6 +211,7 @@ impl Default for CorpusConfig {
             tool_drill_style: Default::default(),
             calc_drills_per_task: 0.0,
             spell_drills_per_task: 0.0,
+            price_steps: false,
             template: CorpusTemplate::Compact,
             kind_weights: BTreeMap::new(),
             seed: 0,
@@ -286,6 +296,11 @@ pub fn corpus(
         for task in corpus_tasks(d, split, cfg) {
             let (msgs, calls) =
                 gold_conversation(&task).map_err(|e| TrainError::Data(e.to_string()))?;
+            let msgs = if cfg.price_steps {
+                steps::with_price_steps(&msgs)
+            } else {
+                msgs
+            };
             out.push(actor_text(&t, &msgs, &tj)?);
             if cfg.random_entity_fraction > 0.0 && rng.random::<f64>() < cfg.random_entity_fraction
             {

@@ -25,6 +25,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         tool_drill_style: Default::default(),
         calc_drills_per_task: 0.0,
         spell_drills_per_task: 0.0,
+        price_steps: false,
         template: CorpusTemplate::Compact,
         kind_weights: BTreeMap::new(),
         seed: 7,
@@ -757,4 +758,60 @@ fn kind_weights_add_fresh_train_tasks_of_those_kinds_only() {
         corpus_tasks(Domain::Bank, Split::Test, &builtin).len(),
         list_tasks(Domain::Bank, Some(Split::Test)).len()
     );
+}
+
+/// `--price-steps`: the travel corpus's actor turns after a flight list carry the comparison, the
+/// last winner is the cheapest free flight the gold call books, the steps are trained, and the
+/// option is off by default and left out of the recorded config then.
+#[test]
+fn price_steps_write_the_comparison_before_the_call_that_uses_it() {
+    let plain = CorpusConfig {
+        tasks_per_domain: 90,
+        ..cfg(0.0)
+    };
+    let on = CorpusConfig {
+        price_steps: true,
+        ..plain.clone()
+    };
+    let travel = |c: &CorpusConfig| {
+        corpus(
+            &[Domain::Travel],
+            Split::Train,
+            &PromptProfile::compact(),
+            c,
+        )
+        .unwrap()
+    };
+    let (a, b) = (travel(&plain), travel(&on));
+    assert_eq!(a.len(), b.len(), "the same texts, some of them longer");
+    assert!(a.iter().all(|t| !t.text().contains(" or fl_")));
+    let mut booked = 0;
+    for t in &b {
+        for (seg, trained) in &t.segments {
+            let Some(at) = ["book", "change"]
+                .iter()
+                .find_map(|n| seg.find(&format!("<tool_call>{{\"name\": \"{n}\"")))
+            else {
+                continue;
+            };
+            let steps = &seg[..at];
+            let Some(last) = steps.rfind(": fl_") else {
+                continue;
+            };
+            assert!(*trained, "the steps are trained with the call: {seg}");
+            let winner = steps[last + 2..].trim_end_matches('.');
+            assert!(
+                seg[at..].contains(&format!("\"flight\": \"{winner}\"")),
+                "the call takes the last winner {winner}: {seg}"
+            );
+            booked += 1;
+        }
+    }
+    assert!(
+        booked >= 10,
+        "{booked} bookings and changes after a comparison"
+    );
+    let recorded = serde_json::to_value(&plain).unwrap();
+    assert!(recorded.get("price_steps").is_none());
+    assert_eq!(serde_json::to_value(&on).unwrap()["price_steps"], true);
 }
