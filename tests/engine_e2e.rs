@@ -249,3 +249,40 @@ fn live_bfcl_scoring_runs_the_model_through_the_ast_checker() {
         assert_eq!(v["correct"].as_f64().unwrap(), (acc * n).round());
     }
 }
+
+/// `envace eval` on a built-in domain counts episodes and successes per task kind, and the
+/// counts add up to the run's tasks and success rate.
+#[test]
+fn eval_reports_successes_per_task_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model();
+    let sessions = dir.path().join("s");
+    let v = envace(&[
+        "eval",
+        "--model",
+        m.to_str().unwrap(),
+        "--env",
+        "bank",
+        "--limit",
+        "6",
+        "--mode",
+        "real",
+        "--json",
+        "--sessions",
+        sessions.to_str().unwrap(),
+    ]);
+    let kinds = v["kinds"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no kinds: {v}"));
+    // Bank tasks cycle through 12 kinds: the first six are six kinds.
+    assert_eq!(kinds.len(), 6, "{v}");
+    assert!(kinds.contains_key("balance"), "{v}");
+    let (mut tasks, mut successes) = (0, 0);
+    for c in kinds.values() {
+        tasks += c["tasks"].as_u64().unwrap();
+        successes += c["successes"].as_u64().unwrap();
+    }
+    assert_eq!(tasks, 6);
+    let rate = v["success_rate"].as_f64().unwrap();
+    assert_eq!(successes as f64, (rate * 6.0).round(), "{v}");
+}

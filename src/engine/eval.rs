@@ -68,14 +68,13 @@ impl EvalSummary {
         }
     }
 
-    /// The same summary with successes counted per task kind: `kinds[i]` is the kind of the task
-    /// of `outcomes[i]` given to [`Self::from_outcomes`] (an empty kind is not counted).
+    /// The same summary with successes counted per task kind, from (kind, outcome) pairs: the
+    /// episodes of [`Self::from_outcomes`] with their tasks' kinds (an empty kind is not counted).
     pub fn with_kinds<'a>(
         mut self,
-        kinds: impl IntoIterator<Item = &'a str>,
-        outcomes: &[EpisodeOutcome],
+        episodes: impl IntoIterator<Item = (&'a str, &'a EpisodeOutcome)>,
     ) -> Self {
-        for (kind, o) in kinds.into_iter().zip(outcomes) {
+        for (kind, o) in episodes {
             if kind.is_empty() {
                 continue;
             }
@@ -143,10 +142,9 @@ mod tests {
             outcome(None, 0, 0, 1),
             outcome(Some(1.0), 1, 0, 1),
         ];
-        let s = EvalSummary::from_outcomes(&outcomes, 1.0).with_kinds(
-            ["cheapest", "cheapest", "balance", "balance", ""],
-            &outcomes,
-        );
+        let kinds = ["cheapest", "cheapest", "balance", "balance", ""];
+        let s = EvalSummary::from_outcomes(&outcomes, 1.0)
+            .with_kinds(kinds.into_iter().zip(outcomes.iter()));
         let count = |tasks, successes| KindCount { tasks, successes };
         assert_eq!(
             s.kinds.len(),

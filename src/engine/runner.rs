@@ -380,9 +380,10 @@ pub async fn eval_domain(
         outcomes.push((task.id.clone(), o));
     }
     let only: Vec<EpisodeOutcome> = outcomes.iter().map(|(_, o)| o.clone()).collect();
-    let kinds = tasks.iter().take(only.len()).map(|t| t.kind.as_str());
+    // Outcomes are the first tasks in order (a cancelled run stops early).
+    let kinds = tasks.iter().map(|t| t.kind.as_str()).zip(only.iter());
     Ok((
-        EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()).with_kinds(kinds, &only),
+        EvalSummary::from_outcomes(&only, t0.elapsed().as_secs_f64()).with_kinds(kinds),
         outcomes,
     ))
 }
