@@ -471,6 +471,11 @@ pub struct PretrainArgs {
     /// text (`fl_375 357 or fl_817 122: fl_817.`), then call or answer.
     #[arg(long)]
     pub price_steps: bool,
+    /// How `--price-steps` writes the comparison: pairs (flights and prices, the winner's id)
+    /// or prices (`357 or 122: 122. … Cheapest: fl_817.`: prices alone, then the cheapest
+    /// flight's id once). Setting it turns `--price-steps` on.
+    #[arg(long, value_enum)]
+    pub price_step_style: Option<envace::train::pretrain::PriceStepStyle>,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]

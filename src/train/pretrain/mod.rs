@@ -36,8 +36,8 @@ pub(super) mod corpus;
 
 use corpus::text::END;
 pub use corpus::{
-    COPY_SYSTEM, CorpusConfig, CorpusTemplate, EntityStyle, Segmented, SlipValues, actor_text,
-    actor_text_last, corpus, simulator_text, unknown_kinds,
+    COPY_SYSTEM, CorpusConfig, CorpusTemplate, EntityStyle, PriceStepStyle, Segmented, SlipValues,
+    actor_text, actor_text_last, corpus, simulator_text, unknown_kinds,
 };
 
 /// Pretraining settings.

@@ -41,6 +41,7 @@ pub mod tool_drill;
 pub use drills::COPY_SYSTEM;
 use drills::{calc_drill_texts, copy_drill, tool_drill_texts};
 use episodes::{SlipInput, memory_example, recorded_pool, slip_examples};
+pub use steps::PriceStepStyle;
 use text::END;
 pub use text::{Segmented, actor_text, actor_text_last, simulator_text};
 
@@ -119,6 +120,10 @@ pub struct CorpusConfig {
     /// list of flights: `fl_375 357 or fl_817 122: fl_817.`, then the call or answer.
     #[serde(default, skip_serializing_if = "is_false")]
     pub price_steps: bool,
+    /// How the price steps are written (see [`steps::PriceStepStyle`]); left out of the
+    /// recorded config at the default (`pairs`, stage 15's).
+    #[serde(default, skip_serializing_if = "is_default_style")]
+    pub price_step_style: PriceStepStyle,
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
@@ -137,6 +142,10 @@ const CALC_TWINS: f64 = 0.5;
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
+}
+
+fn is_default_style(x: &PriceStepStyle) -> bool {
+    *x == PriceStepStyle::default()
 }
 
 fn is_false(x: &bool) -> bool {
@@ -212,6 +221,7 @@ impl Default for CorpusConfig {
             calc_drills_per_task: 0.0,
             spell_drills_per_task: 0.0,
             price_steps: false,
+            price_step_style: PriceStepStyle::default(),
             template: CorpusTemplate::Compact,
             kind_weights: BTreeMap::new(),
             seed: 0,
@@ -297,7 +307,7 @@ pub fn corpus(
             let (msgs, calls) =
                 gold_conversation(&task).map_err(|e| TrainError::Data(e.to_string()))?;
             let msgs = if cfg.price_steps {
-                steps::with_price_steps(&msgs)
+                steps::with_price_steps(&msgs, cfg.price_step_style)
             } else {
                 msgs
             };

@@ -9,7 +9,16 @@
 //! winner is then the id to copy into the call. The steps are the actor's own content, so the
 //! policy writes them at inference too, and they are in the conversation that later turns and
 //! the simulator see.
+//!
+//! Two styles ([`PriceStepStyle`]). `pairs` (stage 15) writes both flights of each pair with their
+//! prices and the winner's id; the model learnt to write the final winner's id in every step
+//! without comparing the pair (29% of its steps named a winner not in the pair). `prices`
+//! compares the prices alone, the running minimum against the next (`357 or 122: 122.`), then
+//! names the flight with that price once (`Cheapest: fl_817.`): each step copies one of two
+//! numbers that stand side by side, and the id is found by the price it was listed with; the
+//! closing name marks where the comparison ends and the call or answer begins.
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::message::{Message, Role};
@@ -40,10 +49,49 @@ fn flights(content: &str) -> Option<Vec<Flight>> {
         .collect()
 }
 
-/// The steps for a list: sold-out flights named as such, then the free ones compared two at a
-/// time, the running winner against the next (`fl_375 357 or fl_817 122: fl_817.`); a tie
-/// keeps the earlier flight, as the domain's own choice does. `None` when no seat is free.
-pub(crate) fn price_steps(content: &str) -> Option<String> {
+/// How the comparison is written (`pretrain --price-step-style`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PriceStepStyle {
+    /// Flights with prices, the winner's id: `fl_375 357 or fl_817 122: fl_817.`
+    #[default]
+    Pairs,
+    /// Prices alone, then the cheapest flight's id: `357 or 122: 122. … Cheapest: fl_817.`
+    Prices,
+}
+
+/// The steps for a list in `style`: sold-out flights named as such, then the free ones compared
+/// two at a time, the running winner against the next; a tie keeps the earlier flight, as the
+/// domain's own choice does. `None` when no seat is free, or (pairs) nothing is to compare.
+pub(crate) fn price_steps(content: &str, style: PriceStepStyle) -> Option<String> {
+    match style {
+        PriceStepStyle::Pairs => pair_steps(content),
+        PriceStepStyle::Prices => price_only_steps(content),
+    }
+}
+
+/// `prices`: `fl_1 sold out. 357 or 122: 122. 122 or 595: 122. Cheapest: fl_817.`; with one
+/// free flight only its name (`Cheapest: fl_817.`).
+fn price_only_steps(content: &str) -> Option<String> {
+    let list = flights(content)?;
+    let mut parts: Vec<String> = list
+        .iter()
+        .filter(|f| f.seats <= 0)
+        .map(|f| format!("{} sold out.", f.id))
+        .collect();
+    let mut free = list.iter().filter(|f| f.seats > 0);
+    let mut best = free.next()?;
+    for f in free {
+        let winner = if f.price < best.price { f } else { best };
+        parts.push(format!("{} or {}: {}.", best.price, f.price, winner.price));
+        best = winner;
+    }
+    parts.push(format!("Cheapest: {}.", best.id));
+    Some(parts.join(" "))
+}
+
+/// `pairs`: `fl_375 357 or fl_817 122: fl_817. fl_817 122 or fl_822 595: fl_817.`
+fn pair_steps(content: &str) -> Option<String> {
     let list = flights(content)?;
     let mut parts: Vec<String> = list
         .iter()
@@ -69,13 +117,13 @@ pub(crate) fn price_steps(content: &str) -> Option<String> {
 
 /// `msgs` with the steps written at the start of every assistant turn that directly follows a
 /// tool response listing flights (the message count and every call stay as they were).
-pub(crate) fn with_price_steps(msgs: &[Message]) -> Vec<Message> {
+pub(crate) fn with_price_steps(msgs: &[Message], style: PriceStepStyle) -> Vec<Message> {
     let mut out = msgs.to_vec();
     for i in 1..out.len() {
         if out[i].role != Role::Assistant || out[i - 1].role != Role::Tool {
             continue;
         }
-        if let Some(steps) = price_steps(&out[i - 1].content) {
+        if let Some(steps) = price_steps(&out[i - 1].content, style) {
             let m = &mut out[i];
             m.content = if m.content.is_empty() {
                 steps
@@ -96,7 +144,7 @@ mod tests {
     #[test]
     fn steps_compare_the_running_winner_with_the_next_flight() {
         assert_eq!(
-            price_steps(THREE).as_deref(),
+            price_steps(THREE, PriceStepStyle::Pairs).as_deref(),
             Some("fl_375 357 or fl_817 122: fl_817. fl_817 122 or fl_822 595: fl_817.")
         );
     }
@@ -105,18 +153,18 @@ mod tests {
     fn sold_out_flights_are_named_and_left_out_of_the_comparison() {
         let sold = THREE.replace(r#""price":122,"seats":1"#, r#""price":122,"seats":0"#);
         assert_eq!(
-            price_steps(&sold).as_deref(),
+            price_steps(&sold, PriceStepStyle::Pairs).as_deref(),
             Some("fl_817 sold out. fl_375 357 or fl_822 595: fl_375.")
         );
         let none = r#"{"flights":[{"flight":"fl_1","price":5,"seats":0},{"flight":"fl_2","price":6,"seats":0}]}"#;
-        assert_eq!(price_steps(none), None);
+        assert_eq!(price_steps(none, PriceStepStyle::Pairs), None);
     }
 
     #[test]
     fn a_tie_keeps_the_earlier_flight() {
         let tie = r#"{"flights":[{"flight":"fl_2","price":100,"seats":1},{"flight":"fl_1","price":100,"seats":1}]}"#;
         assert_eq!(
-            price_steps(tie).as_deref(),
+            price_steps(tie, PriceStepStyle::Pairs).as_deref(),
             Some("fl_2 100 or fl_1 100: fl_2.")
         );
     }
@@ -129,7 +177,9 @@ mod tests {
             r#"{"accounts":[{"acc":"acc_1","type":"checking"}]}"#,
             "not json",
         ] {
-            assert_eq!(price_steps(text), None, "{text}");
+            for style in [PriceStepStyle::Pairs, PriceStepStyle::Prices] {
+                assert_eq!(price_steps(text, style), None, "{text}");
+            }
         }
     }
 
@@ -153,7 +203,7 @@ mod tests {
             Message::tool("call_1", "book", r#"{"bk":"bk_1","price":122}"#),
             Message::assistant("Booked bk_1 on fl_817."),
         ];
-        let out = with_price_steps(&msgs);
+        let out = with_price_steps(&msgs, PriceStepStyle::Pairs);
         assert_eq!(out.len(), msgs.len());
         assert_eq!(
             out[3].content,
@@ -164,14 +214,50 @@ mod tests {
             assert_eq!(out[i], msgs[i], "message {i}");
         }
         // An answer keeps its text after the steps.
-        let answer = with_price_steps(&[
-            Message::tool("call_0", "search", THREE),
-            Message::assistant("The cheapest is fl_817 at 122."),
-        ]);
+        let answer = with_price_steps(
+            &[
+                Message::tool("call_0", "search", THREE),
+                Message::assistant("The cheapest is fl_817 at 122."),
+            ],
+            PriceStepStyle::Pairs,
+        );
         assert!(
             answer[1]
                 .content
                 .ends_with(": fl_817. The cheapest is fl_817 at 122.")
+        );
+    }
+
+    #[test]
+    fn prices_style_compares_prices_then_names_the_cheapest_once() {
+        let p = PriceStepStyle::Prices;
+        assert_eq!(
+            price_steps(THREE, p).as_deref(),
+            Some("357 or 122: 122. 122 or 595: 122. Cheapest: fl_817.")
+        );
+        let sold = THREE.replace(r#""price":122,"seats":1"#, r#""price":122,"seats":0"#);
+        assert_eq!(
+            price_steps(&sold, p).as_deref(),
+            Some("fl_817 sold out. 357 or 595: 357. Cheapest: fl_375.")
+        );
+        let tie = r#"{"flights":[{"flight":"fl_2","price":100,"seats":1},{"flight":"fl_1","price":100,"seats":1}]}"#;
+        assert_eq!(
+            price_steps(tie, p).as_deref(),
+            Some("100 or 100: 100. Cheapest: fl_2.")
+        );
+        // One free flight: nothing to compare, its name still closes the steps.
+        let one = r#"{"flights":[{"flight":"fl_1","price":5,"seats":0},{"flight":"fl_2","price":6,"seats":3}]}"#;
+        assert_eq!(
+            price_steps(one, p).as_deref(),
+            Some("fl_1 sold out. Cheapest: fl_2.")
+        );
+        let none = r#"{"flights":[{"flight":"fl_1","price":5,"seats":0},{"flight":"fl_2","price":6,"seats":0}]}"#;
+        assert_eq!(price_steps(none, p), None);
+        // Only the cheapest free flight's id is written after the sold-out ones.
+        let text = price_steps(THREE, p).unwrap_or_default();
+        assert!(
+            !text.contains("fl_375") && !text.contains("fl_822"),
+            "{text}"
         );
     }
 }

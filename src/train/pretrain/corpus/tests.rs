@@ -26,6 +26,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         calc_drills_per_task: 0.0,
         spell_drills_per_task: 0.0,
         price_steps: false,
+        price_step_style: PriceStepStyle::Pairs,
         template: CorpusTemplate::Compact,
         kind_weights: BTreeMap::new(),
         seed: 7,
@@ -814,4 +815,63 @@ fn price_steps_write_the_comparison_before_the_call_that_uses_it() {
     let recorded = serde_json::to_value(&plain).unwrap();
     assert!(recorded.get("price_steps").is_none());
     assert_eq!(serde_json::to_value(&on).unwrap()["price_steps"], true);
+}
+
+/// `--price-step-style prices`: the steps close with `Cheapest: ID.` and the call that follows
+/// books that flight; the style is recorded only when it is not the default.
+#[test]
+fn price_steps_in_the_prices_style_name_the_flight_the_call_takes() {
+    let on = CorpusConfig {
+        tasks_per_domain: 90,
+        price_steps: true,
+        price_step_style: PriceStepStyle::Prices,
+        ..cfg(0.0)
+    };
+    let texts = corpus(
+        &[Domain::Travel],
+        Split::Train,
+        &PromptProfile::compact(),
+        &on,
+    )
+    .unwrap();
+    let mut booked = 0;
+    for t in &texts {
+        for (seg, trained) in &t.segments {
+            let Some(at) = ["book", "change"]
+                .iter()
+                .find_map(|n| seg.find(&format!("<tool_call>{{\"name\": \"{n}\"")))
+            else {
+                continue;
+            };
+            let Some(mark) = seg[..at].rfind("Cheapest: ") else {
+                continue;
+            };
+            assert!(*trained, "the steps are trained with the call: {seg}");
+            let named = seg[mark + 10..at].trim().trim_end_matches('.');
+            assert!(
+                seg[at..].contains(&format!("\"flight\": \"{named}\"")),
+                "the call takes the flight the steps named, {named}: {seg}"
+            );
+            assert!(!seg[..mark].contains(" or fl_"), "prices only: {seg}");
+            booked += 1;
+        }
+    }
+    assert!(
+        booked >= 10,
+        "{booked} bookings and changes after the steps"
+    );
+    assert_eq!(
+        serde_json::to_value(&on).unwrap()["price_step_style"],
+        "prices"
+    );
+    let pairs = CorpusConfig {
+        price_step_style: PriceStepStyle::Pairs,
+        ..on
+    };
+    assert!(
+        serde_json::to_value(&pairs)
+            .unwrap()
+            .get("price_step_style")
+            .is_none()
+    );
 }
