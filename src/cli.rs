@@ -468,14 +468,12 @@ pub struct PretrainArgs {
     #[arg(long, default_value_t = 0.0, value_parser = parse_per_task)]
     pub spell_drills: f64,
     /// Actor turns after a list of flights first compare the prices two at a time in their own
-    /// text (`fl_375 357 or fl_817 122: fl_817.`), then call or answer.
-    #[arg(long)]
-    pub price_steps: bool,
-    /// How `--price-steps` writes the comparison: pairs (flights and prices, the winner's id)
-    /// or prices (`357 or 122: 122. … Cheapest: fl_817.`: prices alone, then the cheapest
-    /// flight's id once). Setting it turns `--price-steps` on.
-    #[arg(long, value_enum)]
-    pub price_step_style: Option<envace::train::pretrain::PriceStepStyle>,
+    /// text, then call or answer: `--price-steps` or `--price-steps pairs` writes flights and
+    /// prices with the winner's id (`fl_375 357 or fl_817 122: fl_817.`), `--price-steps prices`
+    /// the prices alone, then the cheapest flight's id once (`357 or 122: 122. … Cheapest:
+    /// fl_817.`).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "pairs")]
+    pub price_steps: Option<envace::train::pretrain::PriceStepStyle>,
     /// The compact chat template to train (and ship) with: compact (the bundled model's) or
     /// compact-v2 (optional parameters marked `name(req,opt?)`).
     #[arg(long, value_enum, default_value = "compact")]
@@ -766,4 +764,43 @@ fn parse_kind_weight(s: &str) -> Result<(String, f64), String> {
         return Err(format!("`{s}`: expected a kind and a weight ≥ 0"));
     }
     Ok((k.to_string(), w))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use envace::train::pretrain::PriceStepStyle;
+
+    use super::{Cli, Command};
+
+    fn price_steps(extra: &[&str]) -> Result<Option<PriceStepStyle>, clap::Error> {
+        let argv = ["envace", "pretrain", "--out", "m"].iter().chain(extra);
+        match Cli::try_parse_from(argv)?.command {
+            Some(Command::Pretrain(a)) => Ok(a.price_steps),
+            other => panic!("not pretrain: {other:?}"),
+        }
+    }
+
+    /// `--price-steps` alone is the pairs style (stage 15's commands), a value picks the style,
+    /// the flag takes no value from the next flag, and a wrong style is refused naming the values.
+    #[test]
+    fn price_steps_takes_an_optional_style() {
+        assert_eq!(price_steps(&[]).unwrap(), None);
+        assert_eq!(
+            price_steps(&["--price-steps"]).unwrap(),
+            Some(PriceStepStyle::Pairs)
+        );
+        assert_eq!(
+            price_steps(&["--price-steps", "prices"]).unwrap(),
+            Some(PriceStepStyle::Prices)
+        );
+        assert_eq!(
+            price_steps(&["--price-steps", "--seed", "3"]).unwrap(),
+            Some(PriceStepStyle::Pairs)
+        );
+        let e = price_steps(&["--price-steps", "cheap"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cheap") && e.contains("prices"), "{e}");
+    }
 }

@@ -234,8 +234,7 @@ fn pretrain(a: cli::PretrainArgs) -> Result<()> {
     cfg.corpus.tool_drill_style = a.tool_drill_style;
     cfg.corpus.calc_drills_per_task = a.calc_drills;
     cfg.corpus.spell_drills_per_task = a.spell_drills;
-    cfg.corpus.price_steps = a.price_steps || a.price_step_style.is_some();
-    cfg.corpus.price_step_style = a.price_step_style.unwrap_or_default();
+    cfg.corpus.price_steps = a.price_steps;
     cfg.corpus.template = a.template;
     cfg.corpus.kind_weights = a.kind_weights.iter().cloned().collect();
     let unknown =

@@ -116,14 +116,15 @@ pub struct CorpusConfig {
     /// 3-8 real words of the request copied into the JSON strings of as many calls.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub spell_drills_per_task: f64,
-    /// Write price comparisons (see [`steps`]) at the start of every actor turn that follows a
-    /// list of flights: `fl_375 357 or fl_817 122: fl_817.`, then the call or answer.
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub price_steps: bool,
-    /// How the price steps are written (see [`steps::PriceStepStyle`]); left out of the
-    /// recorded config at the default (`pairs`, stage 15's).
-    #[serde(default, skip_serializing_if = "is_default_style")]
-    pub price_step_style: PriceStepStyle,
+    /// Write price comparisons (see [`steps`]) in this style at the start of every actor turn
+    /// that follows a list of flights (`fl_375 357 or fl_817 122: fl_817.`), then the call or
+    /// answer. Recorded as `true` (pairs) or `"prices"`, left out when off.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "steps::recorded"
+    )]
+    pub price_steps: Option<PriceStepStyle>,
     /// The chat template the corpus is rendered with (and the model ships with).
     #[serde(default)]
     pub template: CorpusTemplate,
@@ -142,14 +143,6 @@ const CALC_TWINS: f64 = 0.5;
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
-}
-
-fn is_default_style(x: &PriceStepStyle) -> bool {
-    *x == PriceStepStyle::default()
-}
-
-fn is_false(x: &bool) -> bool {
-    !*x
 }
 
 fn is_default<T: Default + PartialEq>(x: &T) -> bool {
@@ -220,8 +213,7 @@ impl Default for CorpusConfig {
             tool_drill_style: Default::default(),
             calc_drills_per_task: 0.0,
             spell_drills_per_task: 0.0,
-            price_steps: false,
-            price_step_style: PriceStepStyle::default(),
+            price_steps: None,
             template: CorpusTemplate::Compact,
             kind_weights: BTreeMap::new(),
             seed: 0,
@@ -306,10 +298,9 @@ pub fn corpus(
         for task in corpus_tasks(d, split, cfg) {
             let (msgs, calls) =
                 gold_conversation(&task).map_err(|e| TrainError::Data(e.to_string()))?;
-            let msgs = if cfg.price_steps {
-                steps::with_price_steps(&msgs, cfg.price_step_style)
-            } else {
-                msgs
+            let msgs = match cfg.price_steps {
+                Some(style) => steps::with_price_steps(&msgs, style),
+                None => msgs,
             };
             out.push(actor_text(&t, &msgs, &tj)?);
             if cfg.random_entity_fraction > 0.0 && rng.random::<f64>() < cfg.random_entity_fraction

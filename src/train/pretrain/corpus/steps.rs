@@ -49,12 +49,11 @@ fn flights(content: &str) -> Option<Vec<Flight>> {
         .collect()
 }
 
-/// How the comparison is written (`pretrain --price-step-style`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+/// How the comparison is written (`pretrain --price-steps [pairs|prices]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum PriceStepStyle {
     /// Flights with prices, the winner's id: `fl_375 357 or fl_817 122: fl_817.`
-    #[default]
     Pairs,
     /// Prices alone, then the cheapest flight's id: `357 or 122: 122. … Cheapest: fl_817.`
     Prices,
@@ -62,57 +61,75 @@ pub enum PriceStepStyle {
 
 /// The steps for a list in `style`: sold-out flights named as such, then the free ones compared
 /// two at a time, the running winner against the next; a tie keeps the earlier flight, as the
-/// domain's own choice does. `None` when no seat is free, or (pairs) nothing is to compare.
+/// domain's own choice does. `prices` closes with the cheapest flight's id, also when one free
+/// flight left nothing to compare. `None` when no seat is free, or (pairs) nothing is to say.
 pub(crate) fn price_steps(content: &str, style: PriceStepStyle) -> Option<String> {
+    let list = flights(content)?;
+    let mut parts: Vec<String> = list
+        .iter()
+        .filter(|f| f.seats <= 0)
+        .map(|f| format!("{} sold out.", f.id))
+        .collect();
+    let mut free = list.iter().filter(|f| f.seats > 0);
+    let mut best = free.next()?;
+    for f in free {
+        let winner = if f.price < best.price { f } else { best };
+        parts.push(match style {
+            PriceStepStyle::Pairs => format!(
+                "{} {} or {} {}: {}.",
+                best.id, best.price, f.id, f.price, winner.id
+            ),
+            PriceStepStyle::Prices => format!("{} or {}: {}.", best.price, f.price, winner.price),
+        });
+        best = winner;
+    }
     match style {
-        PriceStepStyle::Pairs => pair_steps(content),
-        PriceStepStyle::Prices => price_only_steps(content),
+        PriceStepStyle::Pairs if parts.is_empty() => return None,
+        PriceStepStyle::Pairs => {}
+        PriceStepStyle::Prices => parts.push(format!("Cheapest: {}.", best.id)),
     }
-}
-
-/// `prices`: `fl_1 sold out. 357 or 122: 122. 122 or 595: 122. Cheapest: fl_817.`; with one
-/// free flight only its name (`Cheapest: fl_817.`).
-fn price_only_steps(content: &str) -> Option<String> {
-    let list = flights(content)?;
-    let mut parts: Vec<String> = list
-        .iter()
-        .filter(|f| f.seats <= 0)
-        .map(|f| format!("{} sold out.", f.id))
-        .collect();
-    let mut free = list.iter().filter(|f| f.seats > 0);
-    let mut best = free.next()?;
-    for f in free {
-        let winner = if f.price < best.price { f } else { best };
-        parts.push(format!("{} or {}: {}.", best.price, f.price, winner.price));
-        best = winner;
-    }
-    parts.push(format!("Cheapest: {}.", best.id));
     Some(parts.join(" "))
 }
 
-/// `pairs`: `fl_375 357 or fl_817 122: fl_817. fl_817 122 or fl_822 595: fl_817.`
-fn pair_steps(content: &str) -> Option<String> {
-    let list = flights(content)?;
-    let mut parts: Vec<String> = list
-        .iter()
-        .filter(|f| f.seats <= 0)
-        .map(|f| format!("{} sold out.", f.id))
-        .collect();
-    let mut free = list.iter().filter(|f| f.seats > 0);
-    let mut best = free.next()?;
-    for f in free {
-        let winner = if f.price < best.price { f } else { best };
-        parts.push(format!(
-            "{} {} or {} {}: {}.",
-            best.id, best.price, f.id, f.price, winner.id
-        ));
-        best = winner;
+/// `CorpusConfig::price_steps` as recorded: absent or `false` (off), `true` (pairs: the
+/// configs of stage 15 and 16, written before there was a second style) or `"prices"`. Pairs
+/// is still written `true`, so that those configs read and write back unchanged.
+pub(super) mod recorded {
+    use serde::de::{self, Visitor};
+    use serde::{Deserializer, Serialize, Serializer};
+
+    use super::PriceStepStyle;
+
+    pub fn serialize<S: Serializer>(v: &Option<PriceStepStyle>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            None => s.serialize_bool(false),
+            Some(PriceStepStyle::Pairs) => s.serialize_bool(true),
+            Some(style) => style.serialize(s),
+        }
     }
-    if parts.is_empty() {
-        // One free flight and nothing sold out: nothing to compare.
-        return None;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<PriceStepStyle>, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Option<PriceStepStyle>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(r#"price_steps: false, true (pairs), "pairs" or "prices""#)
+            }
+            fn visit_bool<E: de::Error>(self, on: bool) -> Result<Self::Value, E> {
+                Ok(on.then_some(PriceStepStyle::Pairs))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+                match s {
+                    "pairs" => Ok(Some(PriceStepStyle::Pairs)),
+                    "prices" => Ok(Some(PriceStepStyle::Prices)),
+                    _ => Err(E::invalid_value(de::Unexpected::Str(s), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
     }
-    Some(parts.join(" "))
 }
 
 /// `msgs` with the steps written at the start of every assistant turn that directly follows a

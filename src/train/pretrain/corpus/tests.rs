@@ -25,8 +25,7 @@ fn cfg(memory_fraction: f64) -> CorpusConfig {
         tool_drill_style: Default::default(),
         calc_drills_per_task: 0.0,
         spell_drills_per_task: 0.0,
-        price_steps: false,
-        price_step_style: PriceStepStyle::Pairs,
+        price_steps: None,
         template: CorpusTemplate::Compact,
         kind_weights: BTreeMap::new(),
         seed: 7,
@@ -761,33 +760,30 @@ fn kind_weights_add_fresh_train_tasks_of_those_kinds_only() {
     );
 }
 
-/// `--price-steps`: the travel corpus's actor turns after a flight list carry the comparison, the
-/// last winner is the cheapest free flight the gold call books, the steps are trained, and the
-/// option is off by default and left out of the recorded config then.
-#[test]
-fn price_steps_write_the_comparison_before_the_call_that_uses_it() {
-    let plain = CorpusConfig {
+/// The travel corpus's texts with `steps` as its price steps.
+fn travel_texts(steps: Option<PriceStepStyle>) -> Vec<Segmented> {
+    let c = CorpusConfig {
         tasks_per_domain: 90,
+        price_steps: steps,
         ..cfg(0.0)
     };
-    let on = CorpusConfig {
-        price_steps: true,
-        ..plain.clone()
-    };
-    let travel = |c: &CorpusConfig| {
-        corpus(
-            &[Domain::Travel],
-            Split::Train,
-            &PromptProfile::compact(),
-            c,
-        )
-        .unwrap()
-    };
-    let (a, b) = (travel(&plain), travel(&on));
-    assert_eq!(a.len(), b.len(), "the same texts, some of them longer");
-    assert!(a.iter().all(|t| !t.text().contains(" or fl_")));
+    corpus(
+        &[Domain::Travel],
+        Split::Train,
+        &PromptProfile::compact(),
+        &c,
+    )
+    .unwrap()
+}
+
+/// Every segment of `texts` with a `book` or `change` call after steps from which `chosen`
+/// reads a flight: that segment is trained, and its call takes that flight. Returns how many.
+fn calls_take_the_chosen_flight(
+    texts: &[Segmented],
+    chosen: impl Fn(&str) -> Option<&str>,
+) -> usize {
     let mut booked = 0;
-    for t in &b {
+    for t in texts {
         for (seg, trained) in &t.segments {
             let Some(at) = ["book", "change"]
                 .iter()
@@ -795,83 +791,90 @@ fn price_steps_write_the_comparison_before_the_call_that_uses_it() {
             else {
                 continue;
             };
-            let steps = &seg[..at];
-            let Some(last) = steps.rfind(": fl_") else {
+            let Some(flight) = chosen(&seg[..at]) else {
                 continue;
             };
             assert!(*trained, "the steps are trained with the call: {seg}");
-            let winner = steps[last + 2..].trim_end_matches('.');
             assert!(
-                seg[at..].contains(&format!("\"flight\": \"{winner}\"")),
-                "the call takes the last winner {winner}: {seg}"
+                seg[at..].contains(&format!("\"flight\": \"{flight}\"")),
+                "the call takes the chosen flight {flight}: {seg}"
             );
             booked += 1;
         }
     }
+    booked
+}
+
+/// `--price-steps`: the travel corpus's actor turns after a flight list carry the comparison, the
+/// last winner is the cheapest free flight the gold `book`/`change` takes, the steps are
+/// trained; off by default, left out of the recorded config then, and recorded as `true`.
+#[test]
+fn price_steps_write_the_comparison_before_the_call_that_uses_it() {
+    let (a, b) = (
+        travel_texts(None),
+        travel_texts(Some(PriceStepStyle::Pairs)),
+    );
+    assert_eq!(a.len(), b.len(), "the same texts, some of them longer");
+    assert!(a.iter().all(|t| !t.text().contains(" or fl_")));
+    let booked = calls_take_the_chosen_flight(&b, |steps| {
+        let last = steps.rfind(": fl_")?;
+        Some(steps[last + 2..].trim_end_matches('.'))
+    });
     assert!(
         booked >= 10,
         "{booked} bookings and changes after a comparison"
     );
-    let recorded = serde_json::to_value(&plain).unwrap();
-    assert!(recorded.get("price_steps").is_none());
-    assert_eq!(serde_json::to_value(&on).unwrap()["price_steps"], true);
 }
 
-/// `--price-step-style prices`: the steps close with `Cheapest: ID.` and the call that follows
-/// books that flight; the style is recorded only when it is not the default.
+/// `--price-steps prices`: the steps compare prices only and close with `Cheapest: ID.`, and the
+/// call that follows books that flight.
 #[test]
 fn price_steps_in_the_prices_style_name_the_flight_the_call_takes() {
-    let on = CorpusConfig {
-        tasks_per_domain: 90,
-        price_steps: true,
-        price_step_style: PriceStepStyle::Prices,
-        ..cfg(0.0)
-    };
-    let texts = corpus(
-        &[Domain::Travel],
-        Split::Train,
-        &PromptProfile::compact(),
-        &on,
-    )
-    .unwrap();
-    let mut booked = 0;
-    for t in &texts {
-        for (seg, trained) in &t.segments {
-            let Some(at) = ["book", "change"]
-                .iter()
-                .find_map(|n| seg.find(&format!("<tool_call>{{\"name\": \"{n}\"")))
-            else {
-                continue;
-            };
-            let Some(mark) = seg[..at].rfind("Cheapest: ") else {
-                continue;
-            };
-            assert!(*trained, "the steps are trained with the call: {seg}");
-            let named = seg[mark + 10..at].trim().trim_end_matches('.');
-            assert!(
-                seg[at..].contains(&format!("\"flight\": \"{named}\"")),
-                "the call takes the flight the steps named, {named}: {seg}"
-            );
-            assert!(!seg[..mark].contains(" or fl_"), "prices only: {seg}");
-            booked += 1;
-        }
-    }
+    let texts = travel_texts(Some(PriceStepStyle::Prices));
+    let booked = calls_take_the_chosen_flight(&texts, |steps| {
+        let mark = steps.rfind("Cheapest: ")?;
+        assert!(!steps[..mark].contains(" or fl_"), "prices only: {steps}");
+        Some(steps[mark + 10..].trim().trim_end_matches('.'))
+    });
     assert!(
         booked >= 10,
         "{booked} bookings and changes after the steps"
     );
-    assert_eq!(
-        serde_json::to_value(&on).unwrap()["price_step_style"],
-        "prices"
-    );
-    let pairs = CorpusConfig {
-        price_step_style: PriceStepStyle::Pairs,
-        ..on
+}
+
+/// `price_steps` as recorded: absent when off, `true` for pairs (so stage 15's `pretrain.json`
+/// reads back as it was written), `"prices"`; `false` reads as off, and anything else is refused
+/// naming the field and the values it takes.
+#[test]
+fn price_steps_are_recorded_as_stage_15_wrote_them() {
+    let with = |steps| CorpusConfig {
+        price_steps: steps,
+        ..cfg(0.0)
     };
-    assert!(
-        serde_json::to_value(&pairs)
+    for (steps, recorded) in [
+        (None, None),
+        (Some(PriceStepStyle::Pairs), Some(json!(true))),
+        (Some(PriceStepStyle::Prices), Some(json!("prices"))),
+    ] {
+        let v = serde_json::to_value(with(steps)).unwrap();
+        assert_eq!(v.get("price_steps"), recorded.as_ref());
+        let back: CorpusConfig = serde_json::from_value(v).unwrap();
+        assert_eq!(back.price_steps, steps);
+    }
+    let mut v = serde_json::to_value(with(None)).unwrap();
+    v["price_steps"] = json!(false);
+    assert_eq!(
+        serde_json::from_value::<CorpusConfig>(v.clone())
             .unwrap()
-            .get("price_step_style")
-            .is_none()
+            .price_steps,
+        None
+    );
+    v["price_steps"] = json!("cheap");
+    let e = serde_json::from_value::<CorpusConfig>(v)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("price_steps") && e.contains("cheap") && e.contains("\"prices\""),
+        "{e}"
     );
 }
