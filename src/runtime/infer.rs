@@ -339,7 +339,7 @@ fn weigh_values<'v>(
 /// prefix those of several rows, are the lanes of one pass over each key, so a shared prefix
 /// is read once per block instead of once per row. Every lane's arithmetic is the same
 /// whatever shares its pass, so a row gives the same bits batched, forked or alone.
-pub(crate) fn attend_one(
+pub fn attend_one(
     q: &Tensor,
     prefix: Option<(&Tensor, &Tensor)>,
     k: &Tensor,
