@@ -4,7 +4,7 @@
 //! thread-pool waits make `envace bench generate` too noisy on a shared VM to show a change of
 //! a few percent in attention. Each step reads 30 layers of distinct keys and values, as a
 //! decode does (so the cache misses count), for these shapes:
-//! - one row at depth 128 and 576, with no shared prefix (`rows 1, prefix 0`);
+//! - one row at depth 128, 256, 384 and 576, with no shared prefix (`rows 1, prefix 0`);
 //! - one row forked from a 512-token prompt, 64 of its own positions (`Prefix::generate`'s
 //!   layout for a single continuation);
 //! - eight rehearsal branches forked from a 512-token prompt, 64 own positions each (the
@@ -57,7 +57,15 @@ fn step(q: &Tensor, layers: &[Layer], scale: f32) -> candle_core::Result<()> {
 }
 
 fn main() -> candle_core::Result<()> {
-    let shapes = [(1, 0, 128), (1, 0, 576), (1, 512, 64), (8, 512, 64), (8, 0, 576)];
+    let shapes = [
+        (1, 0, 128),
+        (1, 0, 256),
+        (1, 0, 384),
+        (1, 0, 576),
+        (1, 512, 64),
+        (8, 512, 64),
+        (8, 0, 576),
+    ];
     let scale = 1.0 / (HEAD_DIM as f32).sqrt();
     let threads = candle_core::utils::get_num_threads();
     for (rows, prefix, own) in shapes {

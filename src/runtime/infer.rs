@@ -253,6 +253,41 @@ fn score_lanes<'k>(
     }
 }
 
+/// Softmax per lane over the keys of `sc` (`sc[j·ng·LANES + lg·LANES + lane]`, `ng` lane
+/// groups): each lane group's running max, sum and scale stay in registers (through memory
+/// they were a store-to-load chain per key). The max is exact in any order (four partial
+/// maxima); each lane's sum runs in key order, as before.
+fn softmax_lanes(sc: &mut [f32], ng: usize) {
+    let (chunks, _) = sc.as_chunks_mut::<LANES>();
+    let total = chunks.len() / ng.max(1);
+    for lg in 0..ng {
+        let at = |j: usize| j * ng + lg;
+        let mut m4 = [f32x8::splat(f32::NEG_INFINITY); 4];
+        let mut j = 0;
+        while j + 4 <= total {
+            for (u, m) in m4.iter_mut().enumerate() {
+                *m = m.max(f32x8::from(chunks[at(j + u)]));
+            }
+            j += 4;
+        }
+        while j < total {
+            m4[0] = m4[0].max(f32x8::from(chunks[at(j)]));
+            j += 1;
+        }
+        let m = m4[0].max(m4[1]).max(m4[2].max(m4[3]));
+        let mut t = f32x8::ZERO;
+        for j in 0..total {
+            let e = (f32x8::from(chunks[at(j)]) - m).exp();
+            t += e;
+            chunks[at(j)] = e.to_array();
+        }
+        let inv = f32x8::ONE / t;
+        for j in 0..total {
+            chunks[at(j)] = (f32x8::from(chunks[at(j)]) * inv).to_array();
+        }
+    }
+}
+
 /// For `U` heads at once (`acc`: U × C·LANES): `acc[u] += Σ_j p(j, u) · v_j` over `n` values
 /// of width `C·LANES`, in order of `j` (each lane an FMA chain over the keys; `U·C` chains in
 /// flight).
@@ -469,27 +504,7 @@ pub fn attend_one(
                 }
             }
             // Lanes past `heads` hold zeros and are never read.
-            let ng = hp / LANES;
-            let mut max = vec![f32x8::splat(f32::NEG_INFINITY); ng];
-            for row in sc.as_chunks::<LANES>().0.chunks_exact(ng) {
-                for (m, x) in max.iter_mut().zip(row) {
-                    *m = m.max(f32x8::from(*x));
-                }
-            }
-            let mut sum = vec![f32x8::ZERO; ng];
-            for row in sc.as_chunks_mut::<LANES>().0.chunks_exact_mut(ng) {
-                for ((x, m), t) in row.iter_mut().zip(&max).zip(sum.iter_mut()) {
-                    let e = (f32x8::from(*x) - *m).exp();
-                    *t += e;
-                    *x = e.to_array();
-                }
-            }
-            let inv: Vec<f32x8> = sum.iter().map(|t| f32x8::ONE / *t).collect();
-            for row in sc.as_chunks_mut::<LANES>().0.chunks_exact_mut(ng) {
-                for (x, i) in row.iter_mut().zip(&inv) {
-                    *x = (f32x8::from(*x) * *i).to_array();
-                }
-            }
+            softmax_lanes(&mut sc, hp / LANES);
             // Weighted values: the prefix's, then the row's own, in key order.
             let mut acc = vec![0f32; heads * hd];
             if let Some((_, pv)) = &pviews {
