@@ -836,4 +836,53 @@ mod tests {
             one.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         );
     }
+
+    /// The softmax as it was written before `softmax_lanes` (running max and sum per lane in
+    /// key order, through a vector): the reference for the same bits.
+    fn softmax_sequential(sc: &mut [f32], ng: usize) {
+        let mut max = vec![f32x8::splat(f32::NEG_INFINITY); ng];
+        for row in sc.as_chunks::<LANES>().0.chunks_exact(ng) {
+            for (m, x) in max.iter_mut().zip(row) {
+                *m = m.max(f32x8::from(*x));
+            }
+        }
+        let mut sum = vec![f32x8::ZERO; ng];
+        for row in sc.as_chunks_mut::<LANES>().0.chunks_exact_mut(ng) {
+            for ((x, m), t) in row.iter_mut().zip(&max).zip(sum.iter_mut()) {
+                let e = (f32x8::from(*x) - *m).exp();
+                *t += e;
+                *x = e.to_array();
+            }
+        }
+        let inv: Vec<f32x8> = sum.iter().map(|t| f32x8::ONE / *t).collect();
+        for row in sc.as_chunks_mut::<LANES>().0.chunks_exact_mut(ng) {
+            for (x, i) in row.iter_mut().zip(&inv) {
+                *x = (f32x8::from(*x) * *i).to_array();
+            }
+        }
+    }
+
+    #[test]
+    fn lane_softmax_gives_the_sequential_softmax_bit_for_bit() {
+        let dev = Device::Cpu;
+        for ng in 1..=3 {
+            for total in [1, 3, 4, 5, 8, 33, 130] {
+                let mut a = Tensor::randn(0f32, 3.0, total * ng * LANES, &dev)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                // Padded keys, as the decoder's mask adds them, and a repeated maximum.
+                a[0] += PAD_SCORE;
+                if total > 2 {
+                    let m = a.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    a[ng * LANES] = m;
+                }
+                let mut b = a.clone();
+                softmax_lanes(&mut a, ng);
+                softmax_sequential(&mut b, ng);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{ng} lane groups, {total} keys");
+            }
+        }
+    }
 }
