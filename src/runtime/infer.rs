@@ -241,15 +241,76 @@ fn score_lanes<'k>(
         }
         j += KB;
     }
-    while j < n {
+    score_lanes_from(qt, hp, lg, hd, j, n, &key, scale, out);
+}
+
+/// [`score_lanes`]'s one-key-at-a-time tail for keys `j0..n`.
+#[allow(clippy::too_many_arguments)]
+fn score_lanes_from<'k>(
+    qt: &[f32],
+    hp: usize,
+    lg: usize,
+    hd: usize,
+    j0: usize,
+    n: usize,
+    key: &impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let (qc, _) = qt.as_chunks::<LANES>();
+    let groups = hp / LANES;
+    for j in j0..n {
         let k = &key(j)[..hd];
         let mut acc = f32x8::ZERO;
         for (d, &kd) in k.iter().enumerate() {
-            acc = ql(d).mul_add(f32x8::splat(kd), acc);
+            acc = f32x8::from(qc[d * groups + lg]).mul_add(f32x8::splat(kd), acc);
         }
         let o = j * hp + lg * LANES;
         out[o..o + LANES].copy_from_slice(&(acc * f32x8::splat(scale)).to_array());
-        j += 1;
+    }
+}
+
+/// [`score_lanes`] for two lane groups at once (`lg`, `lg + 1`): each key value broadcast once
+/// for 16 lanes instead of 8. The same FMA chain per lane, so the same bits.
+#[allow(clippy::too_many_arguments)]
+fn score_lanes2<'k>(
+    qt: &[f32],
+    hp: usize,
+    lg: usize,
+    hd: usize,
+    n: usize,
+    key: impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    const KB: usize = 8;
+    let (qc, _) = qt.as_chunks::<LANES>();
+    let groups = hp / LANES;
+    let ql = |d: usize, g: usize| f32x8::from(qc[d * groups + lg + g]);
+    let mut j = 0;
+    while j + KB <= n {
+        let ks: [&[f32]; KB] = std::array::from_fn(|u| &key(j + u)[..hd]);
+        let mut acc = [[f32x8::ZERO; 2]; KB];
+        for d in 0..hd {
+            let (q0, q1) = (ql(d, 0), ql(d, 1));
+            for u in 0..KB {
+                let k = f32x8::splat(ks[u][d]);
+                acc[u][0] = q0.mul_add(k, acc[u][0]);
+                acc[u][1] = q1.mul_add(k, acc[u][1]);
+            }
+        }
+        for (u, a) in acc.iter().enumerate() {
+            for (g, a) in a.iter().enumerate() {
+                let o = (j + u) * hp + (lg + g) * LANES;
+                out[o..o + LANES].copy_from_slice(&(*a * f32x8::splat(scale)).to_array());
+            }
+        }
+        j += KB;
+    }
+    if j < n {
+        for g in 0..2 {
+            score_lanes_from(qt, hp, lg + g, hd, j, n, &key, scale, out);
+        }
     }
 }
 
@@ -471,8 +532,16 @@ pub fn attend_one(
             }
             let mut sc = vec![0f32; total * hp];
             if let Some((pk, _)) = &pviews {
-                for lg in 0..hp / LANES {
-                    score_lanes(&qt, hp, lg, hd, np, |j| pk.at(0, kh, j, hd), scale, &mut sc);
+                let key = |j| pk.at(0, kh, j, hd);
+                let mut lg = 0;
+                while lg < hp / LANES {
+                    if lg + 2 <= hp / LANES {
+                        score_lanes2(&qt, hp, lg, hd, np, key, scale, &mut sc);
+                        lg += 2;
+                    } else {
+                        score_lanes(&qt, hp, lg, hd, np, key, scale, &mut sc);
+                        lg += 1;
+                    }
                 }
             }
             // Each row's own keys: the lane groups holding its heads, kept for its lanes only
