@@ -206,74 +206,13 @@ impl View<'_> {
 /// Rows that share one pass over a shared prefix's keys (their query heads become the lanes).
 const PREFIX_LANES: usize = 16;
 
-/// Scores of one lane group (`LANES` query heads, transposed in `qt`: `qt[d·hp + lane]`)
-/// against `n` keys: `out[j·hp + lane] = (q·k_j) · scale`, each an FMA chain over `d` in
-/// order (so a lane's score does not depend on which other heads share its group). Eight keys
-/// at a time keep eight chains in flight.
+/// Scores of `G` consecutive lane groups `lg..lg + G` (`LANES` query heads each, transposed in
+/// `qt`: `qt[d·hp + lane]`) against `n` keys: `out[j·hp + lane] = (q·k_j) · scale`, each an FMA
+/// chain over `d` in order (so a lane's score does not depend on which other heads share its
+/// group, nor on `G`). Eight keys at a time keep eight chains per group in flight; two groups
+/// at once broadcast each key value once for 16 lanes.
 #[allow(clippy::too_many_arguments)]
-fn score_lanes<'k>(
-    qt: &[f32],
-    hp: usize,
-    lg: usize,
-    hd: usize,
-    n: usize,
-    key: impl Fn(usize) -> &'k [f32],
-    scale: f32,
-    out: &mut [f32],
-) {
-    const KB: usize = 8;
-    let (qc, _) = qt.as_chunks::<LANES>();
-    let groups = hp / LANES;
-    let ql = |d: usize| f32x8::from(qc[d * groups + lg]);
-    let mut j = 0;
-    while j + KB <= n {
-        let ks: [&[f32]; KB] = std::array::from_fn(|u| &key(j + u)[..hd]);
-        let mut acc = [f32x8::ZERO; KB];
-        for d in 0..hd {
-            let qv = ql(d);
-            for u in 0..KB {
-                acc[u] = qv.mul_add(f32x8::splat(ks[u][d]), acc[u]);
-            }
-        }
-        for (u, a) in acc.iter().enumerate() {
-            let o = (j + u) * hp + lg * LANES;
-            out[o..o + LANES].copy_from_slice(&(*a * f32x8::splat(scale)).to_array());
-        }
-        j += KB;
-    }
-    score_lanes_from(qt, hp, lg, hd, j, n, &key, scale, out);
-}
-
-/// [`score_lanes`]'s one-key-at-a-time tail for keys `j0..n`.
-#[allow(clippy::too_many_arguments)]
-fn score_lanes_from<'k>(
-    qt: &[f32],
-    hp: usize,
-    lg: usize,
-    hd: usize,
-    j0: usize,
-    n: usize,
-    key: &impl Fn(usize) -> &'k [f32],
-    scale: f32,
-    out: &mut [f32],
-) {
-    let (qc, _) = qt.as_chunks::<LANES>();
-    let groups = hp / LANES;
-    for j in j0..n {
-        let k = &key(j)[..hd];
-        let mut acc = f32x8::ZERO;
-        for (d, &kd) in k.iter().enumerate() {
-            acc = f32x8::from(qc[d * groups + lg]).mul_add(f32x8::splat(kd), acc);
-        }
-        let o = j * hp + lg * LANES;
-        out[o..o + LANES].copy_from_slice(&(acc * f32x8::splat(scale)).to_array());
-    }
-}
-
-/// [`score_lanes`] for two lane groups at once (`lg`, `lg + 1`): each key value broadcast once
-/// for 16 lanes instead of 8. The same FMA chain per lane, so the same bits.
-#[allow(clippy::too_many_arguments)]
-fn score_lanes2<'k>(
+fn score_lanes<'k, const G: usize>(
     qt: &[f32],
     hp: usize,
     lg: usize,
@@ -290,13 +229,14 @@ fn score_lanes2<'k>(
     let mut j = 0;
     while j + KB <= n {
         let ks: [&[f32]; KB] = std::array::from_fn(|u| &key(j + u)[..hd]);
-        let mut acc = [[f32x8::ZERO; 2]; KB];
+        let mut acc = [[f32x8::ZERO; G]; KB];
         for d in 0..hd {
-            let (q0, q1) = (ql(d, 0), ql(d, 1));
+            let q: [f32x8; G] = std::array::from_fn(|g| ql(d, g));
             for u in 0..KB {
                 let k = f32x8::splat(ks[u][d]);
-                acc[u][0] = q0.mul_add(k, acc[u][0]);
-                acc[u][1] = q1.mul_add(k, acc[u][1]);
+                for g in 0..G {
+                    acc[u][g] = q[g].mul_add(k, acc[u][g]);
+                }
             }
         }
         for (u, a) in acc.iter().enumerate() {
@@ -307,9 +247,16 @@ fn score_lanes2<'k>(
         }
         j += KB;
     }
-    if j < n {
-        for g in 0..2 {
-            score_lanes_from(qt, hp, lg + g, hd, j, n, &key, scale, out);
+    // The last keys one at a time.
+    for g in 0..G {
+        for j in j..n {
+            let k = &key(j)[..hd];
+            let mut acc = f32x8::ZERO;
+            for (d, &kd) in k.iter().enumerate() {
+                acc = ql(d, g).mul_add(f32x8::splat(kd), acc);
+            }
+            let o = j * hp + (lg + g) * LANES;
+            out[o..o + LANES].copy_from_slice(&(acc * f32x8::splat(scale)).to_array());
         }
     }
 }
@@ -536,10 +483,10 @@ pub fn attend_one(
                 let mut lg = 0;
                 while lg < hp / LANES {
                     if lg + 2 <= hp / LANES {
-                        score_lanes2(&qt, hp, lg, hd, np, key, scale, &mut sc);
+                        score_lanes::<2>(&qt, hp, lg, hd, np, key, scale, &mut sc);
                         lg += 2;
                     } else {
-                        score_lanes(&qt, hp, lg, hd, np, key, scale, &mut sc);
+                        score_lanes::<1>(&qt, hp, lg, hd, np, key, scale, &mut sc);
                         lg += 1;
                     }
                 }
@@ -549,7 +496,7 @@ pub fn attend_one(
             if r1 - r0 == 1 {
                 let own = &mut sc[np * hp..];
                 for lg in 0..hp / LANES {
-                    score_lanes(&qt, hp, lg, hd, s, |j| own_k.at(r0, kh, j, hd), scale, own);
+                    score_lanes::<1>(&qt, hp, lg, hd, s, |j| own_k.at(r0, kh, j, hd), scale, own);
                 }
             } else {
                 let mut tmp = vec![0f32; s * hp];
@@ -557,7 +504,7 @@ pub fn attend_one(
                     let (h0, h1) = ((r - r0) * groups, (r - r0 + 1) * groups);
                     for lg in h0 / LANES..h1.div_ceil(LANES) {
                         let key = |j| own_k.at(r, kh, j, hd);
-                        score_lanes(&qt, hp, lg, hd, s, key, scale, &mut tmp);
+                        score_lanes::<1>(&qt, hp, lg, hd, s, key, scale, &mut tmp);
                     }
                     for j in 0..s {
                         sc[(np + j) * hp + h0..(np + j) * hp + h1]
