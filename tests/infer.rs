@@ -11,7 +11,7 @@ use envace::runtime::config::Family;
 use envace::runtime::decoder::{Decoder, LogitsAt, Pass};
 use envace::runtime::fixture::{random_weights, tiny_config};
 use envace::runtime::kv_cache::KvCache;
-use envace::runtime::loader::{GgufOptions, build_dense, load_gguf_with};
+use envace::runtime::loader::{GgufOptions, PrefillOn, build_dense, load_gguf_with};
 
 /// The GGUF checks switch the process-wide fast path off and on (`infer::set_enabled`) to
 /// compare both paths; the other tests assume it on (their bit-exact checks fail on a step that
@@ -360,7 +360,7 @@ fn check_decode_steps(p: &Path) {
     // Without the f32 prefill copies the tensor path runs candle's kernels on the projections
     // requantized to Q8_0, the fast path the tiled kernels on the file's Q4_1 weights.
     let opts = GgufOptions {
-        dense_prefill: false,
+        prefill: PrefillOn::Tiles,
         ..GgufOptions::default()
     };
     let (dec, _) = load_gguf_with(p, &Device::Cpu, opts).unwrap();

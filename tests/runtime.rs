@@ -13,7 +13,9 @@ use envace::runtime::config::{DecoderConfig, Family};
 use envace::runtime::decoder::{LogitsAt, Pass};
 use envace::runtime::fixture::{random_weights, tiny_config, write_tiny_checkpoint};
 use envace::runtime::generate::{Prefix, generate_batch};
-use envace::runtime::loader::{CheckpointFiles, GgufOptions, build_dense, load_gguf_with, load_hf};
+use envace::runtime::loader::{
+    CheckpointFiles, GgufOptions, PrefillOn, build_dense, load_gguf_with, load_hf,
+};
 use envace::runtime::{CancelToken, FinishReason, LanguageModel, LocalModel, SamplingParams};
 use serde_json::json;
 
@@ -439,7 +441,7 @@ fn smollm2_decoder_matches_stock_quantized_llama() {
         &Device::Cpu,
         GgufOptions {
             requantize: false,
-            dense_prefill: false,
+            prefill: PrefillOn::Tiles,
             tiles: false,
         },
     )
@@ -483,7 +485,8 @@ fn smollm2_decoder_matches_stock_quantized_llama() {
         d < 1.5 && mean < 0.3 && tg[0] == tw[0] && shared >= 8,
         "max abs diff {d}, mean {mean}, top-10 {tg:?} vs {tw:?}"
     );
-    // The fast path (Q8_0 requantization, f32 prefill) keeps the same top token.
+    // The fast path (as this CPU loads it: tiles or f32 copies for prefill) keeps the same top
+    // token.
     let (fast, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
     let mut cache = fast.new_cache();
     let f = fast
@@ -572,9 +575,15 @@ fn smollm2_gguf_dequantized_for_training_matches_the_inference_path() {
         train.trainable_parameters(),
         train.decoder.cfg.parameter_count()
     );
-    // The inference form, exactly as `envace run` loads it (quantized, f32 prefill copies, the
-    // file's permuted q/k with interleaved RoPE).
-    let (fast, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
+    // The inference form as `envace run` loads it (quantized, the file's permuted q/k with
+    // interleaved RoPE), with f32 prefill copies: the tiles, which prefill with them on AMD
+    // CPUs, round every activation to 8 bits (logits then move by up to ~1), and this test is
+    // about the weights' layout.
+    let gemm = GgufOptions {
+        prefill: PrefillOn::Gemm,
+        ..GgufOptions::default()
+    };
+    let (fast, _) = load_gguf_with(&path, &Device::Cpu, gemm).unwrap();
     // Both forms describe the same (tied) model: 134.5M parameters, the head not counted twice.
     assert!(fast.cfg.tie_word_embeddings);
     assert_eq!(
@@ -624,7 +633,13 @@ fn an_hf_layout_adapter_on_the_smollm2_gguf_equals_it_on_the_dequantized_model()
     use envace::runtime::loader::{AdapterConfig, attach_adapter, load_gguf_dense, peft_names};
     let path = smollm2();
     let (mut dense, _) = load_gguf_dense(&path, DType::F32, &Device::Cpu, None).unwrap();
-    let (mut quant, _) = load_gguf_with(&path, &Device::Cpu, GgufOptions::default()).unwrap();
+    // f32 prefill copies (the tiles round activations to 8 bits; this test is about the
+    // adapter's rows).
+    let gemm = GgufOptions {
+        prefill: PrefillOn::Gemm,
+        ..GgufOptions::default()
+    };
+    let (mut quant, _) = load_gguf_with(&path, &Device::Cpu, gemm).unwrap();
     // A random adapter on q and k of every layer (the projections whose rows GGUF permutes),
     // large enough to move the logits by whole units.
     let cfg = AdapterConfig {

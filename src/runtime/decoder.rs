@@ -222,23 +222,39 @@ impl Linear {
             return parts.iter().map(|l| l.forward(x)).collect();
         }
         let x2 = x.reshape((rows, dims[last]))?;
-        // One call for all parts: their shared tiles (whatever their types), else their shared
-        // quantized matrix; `which` picks each part's rows in the result.
-        type Rows = fn(&Weight) -> Option<(usize, usize)>;
-        let (y, which): (Tensor, Rows) = match shared(parts, tile_part) {
-            Some(t) if tiles_take(&x2)? => (t.matmul(&x2)?, |w| tile_part(w).map(|(r, _)| r)),
+        // One call for all parts: their shared tiles (whatever their types; each part its own
+        // result), else their shared quantized matrix (narrowed per part).
+        let ys: Vec<Tensor> = match shared(parts, tile_part) {
+            Some(t) if tiles_take(&x2)? => {
+                let rows: Option<Vec<(usize, usize)>> = parts
+                    .iter()
+                    .map(|l| tile_part(&l.weight).map(|(r, _)| r))
+                    .collect();
+                let Some(rows) = rows else {
+                    candle_core::bail!("stacked projection without its part");
+                };
+                t.matmul_parts(&x2, &rows)?
+            }
             _ => match shared(parts, q_part) {
-                Some(q) => (q.forward(&x2)?, |w| q_part(w).map(|(r, _)| r)),
+                Some(q) => {
+                    let y = q.forward(&x2)?;
+                    parts
+                        .iter()
+                        .map(|l| match q_part(&l.weight) {
+                            Some(((start, len), _)) => y.narrow(1, start, len),
+                            None => candle_core::bail!("stacked projection without its part"),
+                        })
+                        .collect::<Result<_>>()?
+                }
                 None => return parts.iter().map(|l| l.forward(x)).collect(),
             },
         };
         parts
             .iter()
-            .map(|l| {
-                let Some((start, len)) = which(&l.weight) else {
-                    candle_core::bail!("stacked projection without its part");
-                };
-                let yi = l.extras(y.narrow(1, start, len)?, &x2)?;
+            .zip(ys)
+            .map(|(l, y)| {
+                let len = y.dim(1)?;
+                let yi = l.extras(y, &x2)?;
                 let mut out_dims = dims.clone();
                 out_dims[last] = len;
                 yi.reshape(out_dims)
@@ -272,13 +288,12 @@ impl Linear {
                 tile_rows,
             } => match (dense, tiles) {
                 (Some(w), _) if rows > PREFILL_DENSE_ROWS => x2.matmul(&w.t()?)?,
-                (_, Some(t)) if tiles_take(&x2)? => {
-                    let y = t.matmul(&x2)?;
-                    match tile_rows {
-                        Some((start, len)) => y.narrow(1, *start, *len)?,
-                        None => y,
-                    }
-                }
+                (_, Some(t)) if tiles_take(&x2)? => match tile_rows {
+                    Some(part) => t.matmul_parts(&x2, &[*part])?.pop().ok_or_else(|| {
+                        candle_core::Error::Msg("tiled matmul: no result for the part".into())
+                    })?,
+                    None => t.matmul(&x2)?,
+                },
                 _ => {
                     let y = q.forward(&x2)?;
                     match part {

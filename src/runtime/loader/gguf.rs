@@ -47,26 +47,56 @@ impl Meta<'_> {
 pub struct GgufOptions {
     /// Requantize types without SIMD CPU kernels (Q4_1, Q5_x, Q8_1) to Q8_0.
     pub requantize: bool,
-    /// Keep an f32 copy of each projection for prefill (when it fits the budget).
-    pub dense_prefill: bool,
+    /// What multiplies a prefill's rows.
+    pub prefill: PrefillOn,
     /// Repack Q4_1, Q8_0 and k-quant (Q4_K, Q5_K, Q6_K) projections for the tiled AVX-512
     /// decode kernels ([`crate::runtime::quant_tiles`]), where the CPU has them. Off when
     /// `ENVACE_NO_TILES` is set (A/B runs against candle's kernels, like `ENVACE_SLOW_OPS`).
     pub tiles: bool,
 }
 
+/// What multiplies a prefill's rows by a quantized projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillOn {
+    /// The tiles where they beat an f32 copy here ([`Tiles::prefill_beats_gemm`]), else the
+    /// f32 copy within the memory budget.
+    ///
+    /// [`Tiles::prefill_beats_gemm`]: crate::runtime::quant_tiles::Tiles::prefill_beats_gemm
+    Auto,
+    /// An f32 copy of each projection through candle's gemm, within the memory budget (4 bytes
+    /// per weight).
+    Gemm,
+    /// The decode tiles (or candle's quantized kernels where there are none): no copy.
+    Tiles,
+}
+
+/// Environment switch for [`PrefillOn`]: `gemm`, `tiles` or `auto` (A/B runs; `tiles` also
+/// for machines short of memory).
+pub const PREFILL_ENV: &str = "ENVACE_PREFILL";
+
 /// Environment switch that turns the tiled decode kernels off.
 pub const NO_TILES_ENV: &str = "ENVACE_NO_TILES";
 
-/// Environment switch that drops the f32 prefill copies (prefill then runs on the tiles, or on
-/// candle's quantized kernels): A/B runs, and machines short of memory.
-pub const NO_DENSE_PREFILL_ENV: &str = "ENVACE_NO_DENSE_PREFILL";
+impl PrefillOn {
+    /// [`PREFILL_ENV`]'s choice (`Auto` when unset; an unknown value is named in a warning).
+    pub fn from_env() -> Self {
+        match std::env::var(PREFILL_ENV).as_deref() {
+            Err(_) | Ok("auto") => PrefillOn::Auto,
+            Ok("gemm") => PrefillOn::Gemm,
+            Ok("tiles") => PrefillOn::Tiles,
+            Ok(other) => {
+                tracing::warn!("{PREFILL_ENV}={other:?}: expected gemm, tiles or auto; using auto");
+                PrefillOn::Auto
+            }
+        }
+    }
+}
 
 impl Default for GgufOptions {
     fn default() -> Self {
         Self {
             requantize: true,
-            dense_prefill: std::env::var_os(NO_DENSE_PREFILL_ENV).is_none(),
+            prefill: PrefillOn::from_env(),
             tiles: std::env::var_os(NO_TILES_ENV).is_none(),
         }
     }
@@ -402,15 +432,8 @@ pub fn load_gguf_with(
             })
     };
     let embed_q = read("token_embd.weight")?;
-    let dense_bytes = cfg.parameter_count() * 4;
-    let keep_dense =
-        opts.dense_prefill && device.is_cpu() && dense_bytes <= DENSE_PREFILL_BUDGET_BYTES;
+    let dense_fits = device.is_cpu() && cfg.parameter_count() * 4 <= DENSE_PREFILL_BUDGET_BYTES;
     let quant_linear = |t: QTensor| -> Result<Linear, RuntimeError> {
-        let dense = if keep_dense {
-            Some(t.dequantize(device)?)
-        } else {
-            None
-        };
         // The tiled decode kernels take Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants as they
         // are in the file (k-quants are never requantized: candle's kernels for them are SIMD).
         let mut tiles = if opts.tiles {
@@ -420,21 +443,33 @@ pub fn load_gguf_with(
         };
         // Types whose CPU vec_dot is the scalar fallback are requantized to Q8_0 (for prefill
         // without a dense copy, and for the tiles when the file's type has none).
+        let mut dequantized = None;
         let t = match t.dtype() {
             GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1
                 if opts.requantize && device.is_cpu() =>
             {
-                let d = match &dense {
-                    Some(d) => d.clone(),
-                    None => t.dequantize(device)?,
-                };
-                QTensor::quantize(&d, GgmlDType::Q8_0)?
+                let d = t.dequantize(device)?;
+                let q = QTensor::quantize(&d, GgmlDType::Q8_0)?;
+                dequantized = Some(d);
+                q
             }
             _ => t,
         };
         if tiles.is_none() && opts.tiles {
             tiles = crate::runtime::quant_tiles::Tiles::new(&t)?;
         }
+        let keep_dense = dense_fits
+            && match opts.prefill {
+                PrefillOn::Gemm => true,
+                PrefillOn::Tiles => false,
+                PrefillOn::Auto => !tiles.as_ref().is_some_and(|t| t.prefill_beats_gemm()),
+            };
+        // The file's weights (not the requantized ones) in f32.
+        let dense = match (keep_dense, dequantized) {
+            (false, _) => None,
+            (true, Some(d)) => Some(d),
+            (true, None) => Some(t.dequantize(device)?),
+        };
         Ok(Linear {
             weight: Weight::Quant {
                 q: Arc::new(QMatMul::from_qtensor(t)?),

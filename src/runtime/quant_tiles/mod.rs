@@ -61,10 +61,8 @@
 // The kernels index several arrays by the same counters on purpose (register blocks).
 #![allow(clippy::needless_range_loop)]
 
-use std::sync::Mutex;
-
+use candle_core::Device;
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
 use half::f16;
 
 type Result<T> = candle_core::Result<T>;
@@ -539,6 +537,23 @@ pub fn available() -> bool {
     simd().is_some()
 }
 
+/// Whether CPUID's vendor string is AMD's.
+fn cpu_is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let id = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Blocks ahead of the one being computed whose cache lines the kernels request (measured on
 /// the AVX2 kernels: 4 ahead +7-10% decode, 8 no better).
 #[cfg(target_arch = "x86_64")]
@@ -798,110 +813,14 @@ impl Tiles {
         self.simd.isa()
     }
 
-    /// `x · Wᵀ` for `x` (rows, in) f32 on the CPU: (rows, out). Tiles are split over the
-    /// thread pool; each tile runs every row in passes of a few (a prefill of many rows reads
-    /// the tile's weights from cache after its first pass: a quantized GEMM, no f32 copy).
-    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
-        let (rows, inp) = x.dims2()?;
-        if inp != self.inp || rows == 0 {
-            candle_core::bail!(
-                "tiled quantized matmul: input {:?} against a ({}, {}) weight",
-                x.dims(),
-                self.out,
-                self.inp
-            );
-        }
-        let xv = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let acts = Acts::quantize(&xv);
-        let kb = inp / BLOCK;
-        let tiles = self.out.div_ceil(TILE);
-        // Tile-major result: [tile][row][16].
-        let mut yt = vec![0f32; tiles * rows * TILE];
-        {
-            let chunks: Vec<Mutex<&mut [f32]>> =
-                yt.chunks_mut(rows * TILE).map(Mutex::new).collect();
-            let item = |t: usize| {
-                let mut few = [[0f32; TILE]; MAX_ROWS];
-                let mut many = Vec::new();
-                let acc: &mut [[f32; TILE]] = if rows <= MAX_ROWS {
-                    &mut few[..rows]
-                } else {
-                    many.resize(rows, [0f32; TILE]);
-                    &mut many
-                };
-                // The run holding tile `t`, and the tile's place in it.
-                let (mut kind, mut i) = (&self.runs[0], t);
-                for run in &self.runs {
-                    kind = run;
-                    if i < run.tiles(kb) {
-                        break;
-                    }
-                    i -= run.tiles(kb);
-                }
-                self.tile(kind, i * kb..(i + 1) * kb, &acts, acc);
-                if let Ok(mut dst) = chunks[t].lock() {
-                    for (r, a) in acc.iter().enumerate() {
-                        dst[r * TILE..(r + 1) * TILE].copy_from_slice(a);
-                    }
-                }
-            };
-            crate::runtime::par::for_each_index(tiles, tiles * kb < 64, item);
-        }
-        let mut y = vec![0f32; rows * self.out];
-        for (t, chunk) in yt.chunks_exact(rows * TILE).enumerate() {
-            let o0 = t * TILE;
-            let n = TILE.min(self.out - o0);
-            for r in 0..rows {
-                y[r * self.out + o0..r * self.out + o0 + n]
-                    .copy_from_slice(&chunk[r * TILE..r * TILE + n]);
-            }
-        }
-        Tensor::from_vec(y, (rows, self.out), x.device())
-    }
-
-    /// One tile (its blocks `range`) against every input row; rows in passes of at most 4
-    /// (register pressure), each row by the same arithmetic as alone.
-    fn tile(
-        &self,
-        kind: &Kind,
-        range: std::ops::Range<usize>,
-        acts: &Acts,
-        out: &mut [[f32; TILE]],
-    ) {
-        let kb = range.len();
-        let mut row0 = 0;
-        while row0 < out.len() {
-            let n = (out.len() - row0).min(4);
-            let o = &mut out[row0..row0 + n];
-            let a = acts.rows(row0, kb);
-            // The kernel for `n` rows, its const row count spelled out.
-            macro_rules! by_rows {
-                ($kernel:ident, $w:expr, $s:expr) => {{
-                    let (w, s) = (&$w[range.clone()], &$s[range.clone()]);
-                    match n {
-                        1 => self.$kernel::<1>(w, s, a, o),
-                        2 => self.$kernel::<2>(w, s, a, o),
-                        3 => self.$kernel::<3>(w, s, a, o),
-                        _ => self.$kernel::<4>(w, s, a, o),
-                    }
-                }};
-            }
-            match (self.simd, kind) {
-                (Simd::Avx512 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8, blocks, d),
-                (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(nibbles, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(nibbles, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(nibbles, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(nibbles, blocks, dm),
-                (Simd::Avx512 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k, blocks, d),
-                (Simd::Avx2 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8_avx2, blocks, d),
-                (Simd::Avx2 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
-                (Simd::Avx2 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k_avx2, blocks, d),
-            }
-            row0 += n;
-        }
+    /// Whether a prefill's rows run faster on these tiles than on an f32 copy of the weights
+    /// through candle's gemm: with the AVX-512 kernels on AMD CPUs. Zen 4 issues a 512-bit FMA
+    /// as two 256-bit halves, so gemm's f32 rate is half an Intel core's, while the tiles'
+    /// `maddubs` does 64 multiply-adds per instruction (`cargo bench --bench prefill_matmul`
+    /// measures both on one layer; docs/PERFORMANCE.md has the figures). Intel's AVX-512
+    /// cores keep the f32 copy: there the tiles were not measured faster.
+    pub fn prefill_beats_gemm(&self) -> bool {
+        self.isa() == Isa::Avx512 && cpu_is_amd()
     }
 
     #[cfg(not(target_arch = "x86_64"))]
@@ -948,6 +867,7 @@ impl Tiles {
 
 mod acts;
 use acts::{ActRows, Acts};
+mod matmul;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

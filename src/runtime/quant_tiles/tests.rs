@@ -3,8 +3,8 @@
 //! tiles, stacking, and refusals.
 
 use super::*;
-use candle_core::Module;
 use candle_core::quantized::QMatMul;
+use candle_core::{Module, Tensor};
 
 /// The weight's own dot product in f64: its stored blocks (scales through f16) against the
 /// activations quantized as the kernels do, integer sums per block.
@@ -457,5 +457,63 @@ fn activations_quantize_like_candles_q8_0() {
         assert_eq!(q, &block[2..], "block {b} values");
         let sum: i32 = block[2..].iter().map(|&v| i32::from(v as i8)).sum();
         assert_eq!(ours.s[b], d * sum as f32, "block {b} sum");
+    }
+}
+
+/// A prefill (more rows than a decode step: row blocks, each running every tile) gives every
+/// row the bits of the same row alone (a decode step: tiles split, each running the row), for
+/// every type and instruction set, with ragged row blocks and a ragged last tile; the parts of
+/// a stack come out as the stacked product's columns; a part not at a tile is refused.
+#[test]
+fn prefill_rows_equal_each_row_alone_and_parts_equal_the_stack() {
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (isa, dtype) in each_isa([
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ]) {
+        let tiles = Tiles::with_isa(&quantized(40, 256, dtype), isa)
+            .unwrap()
+            .unwrap();
+        for rows in [MAX_ROWS + 1, 67, 130] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 256), &Device::Cpu).unwrap();
+            let all = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (r, row) in all.iter().enumerate() {
+                let alone = tiles.matmul(&x.narrow(0, r, 1).unwrap()).unwrap();
+                let alone = alone.to_vec2::<f32>().unwrap().remove(0);
+                assert_eq!(
+                    bits(row),
+                    bits(&alone),
+                    "{isa:?} {dtype:?} {rows} rows, row {r}"
+                );
+            }
+        }
+    }
+    let parts: Vec<Tiles> = [GgmlDType::Q5_0, GgmlDType::Q6K, GgmlDType::Q8_0]
+        .into_iter()
+        .map(|d| Tiles::new(&quantized(48, 256, d)).unwrap().unwrap())
+        .collect();
+    let stack = Tiles::stack(&parts.iter().collect::<Vec<_>>()).unwrap();
+    for rows in [3, 70] {
+        let x = Tensor::randn(0f32, 1.0, (rows, 256), &Device::Cpu).unwrap();
+        let whole = stack.matmul(&x).unwrap();
+        let split = stack
+            .matmul_parts(&x, &[(0, 48), (48, 48), (96, 40)])
+            .unwrap();
+        for (y, (s, l)) in split.iter().zip([(0, 48), (48, 48), (96, 40)]) {
+            let want = whole.narrow(1, s, l).unwrap().flatten_all().unwrap();
+            let got = y.flatten_all().unwrap();
+            assert_eq!(y.dims(), [rows, l]);
+            assert_eq!(
+                bits(&got.to_vec1::<f32>().unwrap()),
+                bits(&want.to_vec1::<f32>().unwrap()),
+                "{rows} rows, part at {s}"
+            );
+        }
+        assert!(stack.matmul_parts(&x, &[(8, 16)]).is_err());
+        assert!(stack.matmul_parts(&x, &[(128, 32)]).is_err());
     }
 }

@@ -1,0 +1,223 @@
+//! The tiles' matrix products: the driver around the kernels of [`super::avx512`] and
+//! [`super::avx2`]. A decode step (at most [`MAX_ROWS`] rows) splits the tiles over the thread
+//! pool, each tile computing every row, so each weight byte is read once per step. A prefill
+//! (more rows) splits the rows into blocks instead, each block running every tile in passes of
+//! 4 rows: a tile's weights stay in L1 across the block's passes, and each block writes its own
+//! rows of the result, so nothing is transposed or copied afterwards.
+
+use std::sync::Mutex;
+
+use candle_core::Tensor;
+
+use super::{Acts, BLOCK, Kind, MAX_ROWS, Simd, TILE, Tiles};
+
+type Result<T> = candle_core::Result<T>;
+
+/// Input rows per prefill block, at most (a block's quantized activations, 64 rows of 576
+/// values, stay in L2 while it runs every tile).
+const ROW_BLOCK: usize = 64;
+
+impl Tiles {
+    /// `x · Wᵀ` for `x` (rows, in) f32 on the CPU: (rows, out).
+    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        let mut y = self.matmul_parts(x, &[(0, self.out)])?;
+        y.pop()
+            .ok_or_else(|| candle_core::Error::Msg("tiled matmul: no result".into()))
+    }
+
+    /// `x · Wᵀ` for output rows `start..start + len` of each part, each part its own (rows,
+    /// len) tensor: the projections of a stack, computed in one call without a stacked result
+    /// to narrow and copy. Each part starts at a tile (a multiple of 16), as the parts of a
+    /// [`Tiles::stack`] do.
+    pub fn matmul_parts(&self, x: &Tensor, parts: &[(usize, usize)]) -> Result<Vec<Tensor>> {
+        let (rows, inp) = x.dims2()?;
+        if inp != self.inp || rows == 0 {
+            candle_core::bail!(
+                "tiled quantized matmul: input {:?} against a ({}, {}) weight",
+                x.dims(),
+                self.out,
+                self.inp
+            );
+        }
+        if let Some(p) = parts
+            .iter()
+            .find(|(s, l)| s % TILE != 0 || s + l > self.out)
+        {
+            candle_core::bail!(
+                "tiled quantized matmul: part {p:?} of a ({}, {}) weight does not start at a tile",
+                self.out,
+                self.inp
+            );
+        }
+        let x = x.contiguous()?;
+        let acts = {
+            let (storage, layout) = x.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                candle_core::bail!("tiled quantized matmul: input not on the CPU");
+            };
+            let all = cpu.as_slice::<f32>()?;
+            let Some((a, b)) = layout.contiguous_offsets() else {
+                candle_core::bail!("tiled quantized matmul: input not contiguous");
+            };
+            Acts::quantize(&all[a..b])
+        };
+        let kb = inp / BLOCK;
+        let mut outs: Vec<Vec<f32>> = parts.iter().map(|&(_, l)| vec![0f32; rows * l]).collect();
+        if rows <= MAX_ROWS {
+            self.by_tiles(&acts, rows, kb, parts, &mut outs);
+        } else {
+            self.by_rows(&acts, rows, kb, parts, &mut outs);
+        }
+        outs.into_iter()
+            .zip(parts)
+            .map(|(y, &(_, l))| Tensor::from_vec(y, (rows, l), x.device()))
+            .collect()
+    }
+
+    /// The run holding tile `t` and the tile's place in it.
+    fn locate(&self, mut t: usize, kb: usize) -> (&Kind, usize) {
+        let mut kind = &self.runs[0];
+        for run in &self.runs {
+            kind = run;
+            if t < run.tiles(kb) {
+                break;
+            }
+            t -= run.tiles(kb);
+        }
+        (kind, t)
+    }
+
+    /// A few rows: the parts' tiles split over the pool, each computing every row.
+    fn by_tiles(
+        &self,
+        acts: &Acts,
+        rows: usize,
+        kb: usize,
+        parts: &[(usize, usize)],
+        outs: &mut [Vec<f32>],
+    ) {
+        // (part, tile) for every tile of every part.
+        let items: Vec<(usize, usize)> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(p, &(s, l))| (s / TILE..(s + l).div_ceil(TILE)).map(move |t| (p, t)))
+            .collect();
+        // Each item's rows of its tile, item-major.
+        let mut flat = vec![0f32; items.len() * rows * TILE];
+        {
+            let slots: Vec<Mutex<&mut [f32]>> =
+                flat.chunks_mut(rows * TILE).map(Mutex::new).collect();
+            let item = |i: usize| {
+                let mut acc = [[0f32; TILE]; MAX_ROWS];
+                let (kind, j) = self.locate(items[i].1, kb);
+                self.tile(kind, j * kb..(j + 1) * kb, acts, 0, &mut acc[..rows]);
+                if let Ok(mut slot) = slots[i].lock() {
+                    slot.copy_from_slice(acc[..rows].as_flattened());
+                }
+            };
+            crate::runtime::par::for_each_index(items.len(), items.len() * kb < 64, item);
+        }
+        for (&(p, t), res) in items.iter().zip(flat.chunks_exact(rows * TILE)) {
+            let (s, l) = parts[p];
+            let (acc, _) = res.as_chunks::<TILE>();
+            scatter(acc, t * TILE - s, l, &mut outs[p]);
+        }
+    }
+
+    /// Many rows (prefill): blocks of rows split over the pool, each running every tile of
+    /// every part in passes of 4 rows and writing its own rows of each part.
+    fn by_rows(
+        &self,
+        acts: &Acts,
+        rows: usize,
+        kb: usize,
+        parts: &[(usize, usize)],
+        outs: &mut [Vec<f32>],
+    ) {
+        let threads = rayon::current_num_threads().max(1);
+        let block = rows
+            .div_ceil(4 * threads)
+            .next_multiple_of(4)
+            .clamp(4, ROW_BLOCK);
+        let blocks = rows.div_ceil(block);
+        // Per block, its rows of every part.
+        let mut dst: Vec<Vec<&mut [f32]>> = (0..blocks).map(|_| Vec::new()).collect();
+        for (y, &(_, l)) in outs.iter_mut().zip(parts) {
+            for (b, chunk) in y.chunks_mut(block * l).enumerate() {
+                dst[b].push(chunk);
+            }
+        }
+        let dst: Vec<Mutex<Vec<&mut [f32]>>> = dst.into_iter().map(Mutex::new).collect();
+        let item = |b: usize| {
+            let Ok(mut mine) = dst[b].lock() else {
+                return;
+            };
+            let first = b * block;
+            let n = block.min(rows - first);
+            let mut acc = [[0f32; TILE]; ROW_BLOCK];
+            for (p, &(s, l)) in parts.iter().enumerate() {
+                for t in s / TILE..(s + l).div_ceil(TILE) {
+                    let (kind, j) = self.locate(t, kb);
+                    self.tile(kind, j * kb..(j + 1) * kb, acts, first, &mut acc[..n]);
+                    scatter(&acc[..n], t * TILE - s, l, mine[p]);
+                }
+            }
+        };
+        crate::runtime::par::for_each_index(blocks, false, item);
+    }
+
+    /// One tile (its blocks `range`) against input rows `first..first + out.len()`; rows in
+    /// passes of at most 4 (register pressure), each row by the same arithmetic as alone.
+    fn tile(
+        &self,
+        kind: &Kind,
+        range: std::ops::Range<usize>,
+        acts: &Acts,
+        first: usize,
+        out: &mut [[f32; TILE]],
+    ) {
+        let kb = range.len();
+        let mut row0 = 0;
+        while row0 < out.len() {
+            let n = (out.len() - row0).min(4);
+            let o = &mut out[row0..row0 + n];
+            let a = acts.rows(first + row0, kb);
+            // The kernel for `n` rows, its const row count spelled out.
+            macro_rules! by_rows {
+                ($kernel:ident, $w:expr, $s:expr) => {{
+                    let (w, s) = (&$w[range.clone()], &$s[range.clone()]);
+                    match n {
+                        1 => self.$kernel::<1>(w, s, a, o),
+                        2 => self.$kernel::<2>(w, s, a, o),
+                        3 => self.$kernel::<3>(w, s, a, o),
+                        _ => self.$kernel::<4>(w, s, a, o),
+                    }
+                }};
+            }
+            match (self.simd, kind) {
+                (Simd::Avx512 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8, blocks, d),
+                (Simd::Avx512 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(nibbles, blocks, dm),
+                (Simd::Avx512 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k, blocks, d),
+                (Simd::Avx2 { .. }, Kind::Q8 { blocks, d }) => by_rows!(q8_avx2, blocks, d),
+                (Simd::Avx2 { .. }, Kind::Q4 { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q4K { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5 { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q5K { blocks, dm }) => by_rows!(nibbles_avx2, blocks, dm),
+                (Simd::Avx2 { .. }, Kind::Q6K { blocks, d }) => by_rows!(q6k_avx2, blocks, d),
+            }
+            row0 += n;
+        }
+    }
+}
+
+/// Rows of one tile's results into columns `col..` (at most 16, within `width`) of a
+/// row-major output `width` wide.
+fn scatter(acc: &[[f32; TILE]], col: usize, width: usize, out: &mut [f32]) {
+    let n = TILE.min(width - col);
+    for (r, a) in acc.iter().enumerate() {
+        out[r * width + col..r * width + col + n].copy_from_slice(&a[..n]);
+    }
+}
