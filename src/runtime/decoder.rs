@@ -8,7 +8,8 @@
 //! - takes an explicit, batched, forkable [`KvCache`] (rehearsal branches share a prefill);
 //! - returns logits for every position when asked (the trainer needs them);
 //! - holds each projection either dense (safetensors, trainable, optionally LoRA-wrapped) or
-//!   quantized (GGUF via candle's `QMatMul`), with an f32 copy for prefill where it fits.
+//!   quantized (GGUF via candle's `QMatMul` and the tiles of [`super::quant_tiles`]), with an
+//!   f32 copy for prefill where it fits and the tiles do not prefill faster.
 //!
 //! Reference: HF `modeling_llama.py` / `modeling_qwen2.py` / `modeling_qwen3.py`.
 
@@ -62,7 +63,8 @@ pub enum Weight {
     Quant {
         q: Arc<QMatMul>,
         /// f32 copy used when many rows are multiplied at once (prefill), where candle's gemm
-        /// beats the quantized kernels. Absent when it would not fit the memory budget.
+        /// beats the quantized kernels. Absent when it would not fit the memory budget, and
+        /// where the tiles prefill faster (see [`crate::runtime::loader::PrefillOn`]).
         dense: Option<Tensor>,
         /// `Some((start, len))` when `q` holds several projections stacked (q/k/v, gate/up:
         /// one input quantization and one kernel call per step instead of two or three) and

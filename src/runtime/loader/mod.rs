@@ -1,6 +1,7 @@
 //! Loading checkpoints into the [`Decoder`]: HF directories (single or sharded safetensors,
 //! any float dtype converted explicitly) and GGUF files (quantized, with Q4_1/Q5_x weights
-//! requantized to Q8_0, whose CPU kernels are SIMD, and an f32 copy for prefill when it fits).
+//! requantized to Q8_0, whose CPU kernels are SIMD, and an f32 copy for prefill when it fits
+//! and the tiles do not prefill faster).
 //! Every failure names the file and the tensor or field. PEFT LoRA adapter directories
 //! (`adapter_config.json` + `adapter_model.safetensors`) are read here too and attached to (or
 //! folded into) a loaded decoder. This file: HF checkpoint directories; `gguf.rs`: GGUF files
