@@ -41,10 +41,11 @@ impl Tiles {
         }
         if let Some(p) = parts
             .iter()
-            .find(|(s, l)| s % TILE != 0 || s + l > self.out)
+            .find(|&&(s, l)| s % TILE != 0 || l == 0 || s + l > self.out)
         {
             candle_core::bail!(
-                "tiled quantized matmul: part {p:?} of a ({}, {}) weight does not start at a tile",
+                "tiled quantized matmul: part {p:?} of a ({}, {}) weight: not a nonempty run of \
+                 rows from a tile",
                 self.out,
                 self.inp
             );

@@ -515,5 +515,6 @@ fn prefill_rows_equal_each_row_alone_and_parts_equal_the_stack() {
         }
         assert!(stack.matmul_parts(&x, &[(8, 16)]).is_err());
         assert!(stack.matmul_parts(&x, &[(128, 32)]).is_err());
+        assert!(stack.matmul_parts(&x, &[(16, 0)]).is_err());
     }
 }
