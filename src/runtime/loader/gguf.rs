@@ -80,14 +80,23 @@ pub const NO_TILES_ENV: &str = "ENVACE_NO_TILES";
 impl PrefillOn {
     /// [`PREFILL_ENV`]'s choice (`Auto` when unset; an unknown value is named in a warning).
     pub fn from_env() -> Self {
-        match std::env::var(PREFILL_ENV).as_deref() {
-            Err(_) | Ok("auto") => PrefillOn::Auto,
-            Ok("gemm") => PrefillOn::Gemm,
-            Ok("tiles") => PrefillOn::Tiles,
-            Ok(other) => {
-                tracing::warn!("{PREFILL_ENV}={other:?}: expected gemm, tiles or auto; using auto");
-                PrefillOn::Auto
-            }
+        let value = std::env::var(PREFILL_ENV).ok();
+        Self::parse(value.as_deref()).unwrap_or_else(|e| {
+            tracing::warn!("{e}; using auto");
+            PrefillOn::Auto
+        })
+    }
+
+    /// A value of [`PREFILL_ENV`] (`None`: unset, `Auto`); an unknown one is an error naming
+    /// the variable, the value and the choices.
+    pub fn parse(value: Option<&str>) -> Result<Self, String> {
+        match value {
+            None | Some("auto") => Ok(PrefillOn::Auto),
+            Some("gemm") => Ok(PrefillOn::Gemm),
+            Some("tiles") => Ok(PrefillOn::Tiles),
+            Some(other) => Err(format!(
+                "{PREFILL_ENV}={other:?}: expected gemm, tiles or auto"
+            )),
         }
     }
 }
@@ -560,4 +569,22 @@ pub fn load_gguf_with(
         dtype: DType::F32,
     };
     Ok((decoder, ct))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_choice_parses_its_three_values_and_names_a_bad_one() {
+        assert_eq!(PrefillOn::parse(None), Ok(PrefillOn::Auto));
+        assert_eq!(PrefillOn::parse(Some("auto")), Ok(PrefillOn::Auto));
+        assert_eq!(PrefillOn::parse(Some("gemm")), Ok(PrefillOn::Gemm));
+        assert_eq!(PrefillOn::parse(Some("tiles")), Ok(PrefillOn::Tiles));
+        let e = PrefillOn::parse(Some("dense")).unwrap_err();
+        assert!(
+            e.contains("ENVACE_PREFILL=\"dense\"") && e.contains("gemm, tiles or auto"),
+            "{e}"
+        );
+    }
 }
