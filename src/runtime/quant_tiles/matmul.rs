@@ -62,12 +62,17 @@ impl Tiles {
             };
             Acts::quantize(&all[a..b])
         };
-        let kb = inp / BLOCK;
+        let job = Product {
+            acts: &acts,
+            rows,
+            kb: inp / BLOCK,
+            parts,
+        };
         let mut outs: Vec<Vec<f32>> = parts.iter().map(|&(_, l)| vec![0f32; rows * l]).collect();
         if rows <= MAX_ROWS {
-            self.by_tiles(&acts, rows, kb, parts, &mut outs);
+            self.by_tiles(&job, &mut outs);
         } else {
-            self.by_rows(&acts, rows, kb, parts, &mut outs);
+            self.by_rows(&job, &mut outs);
         }
         outs.into_iter()
             .zip(parts)
@@ -89,19 +94,11 @@ impl Tiles {
     }
 
     /// A few rows: the parts' tiles split over the pool, each computing every row.
-    fn by_tiles(
-        &self,
-        acts: &Acts,
-        rows: usize,
-        kb: usize,
-        parts: &[(usize, usize)],
-        outs: &mut [Vec<f32>],
-    ) {
+    fn by_tiles(&self, job: &Product<'_>, outs: &mut [Vec<f32>]) {
+        let (rows, kb) = (job.rows, job.kb);
         // (part, tile) for every tile of every part.
-        let items: Vec<(usize, usize)> = parts
-            .iter()
-            .enumerate()
-            .flat_map(|(p, &(s, l))| (s / TILE..(s + l).div_ceil(TILE)).map(move |t| (p, t)))
+        let items: Vec<(usize, usize)> = (0..job.parts.len())
+            .flat_map(|p| job.tiles(p).map(move |t| (p, t)))
             .collect();
         // Each item's rows of its tile, item-major.
         let mut flat = vec![0f32; items.len() * rows * TILE];
@@ -110,8 +107,7 @@ impl Tiles {
                 flat.chunks_mut(rows * TILE).map(Mutex::new).collect();
             let item = |i: usize| {
                 let mut acc = [[0f32; TILE]; MAX_ROWS];
-                let (kind, j) = self.locate(items[i].1, kb);
-                self.tile(kind, j * kb..(j + 1) * kb, acts, 0, &mut acc[..rows]);
+                self.tile(items[i].1, job, 0, &mut acc[..rows]);
                 if let Ok(mut slot) = slots[i].lock() {
                     slot.copy_from_slice(acc[..rows].as_flattened());
                 }
@@ -119,7 +115,7 @@ impl Tiles {
             crate::runtime::par::for_each_index(items.len(), items.len() * kb < 64, item);
         }
         for (&(p, t), res) in items.iter().zip(flat.chunks_exact(rows * TILE)) {
-            let (s, l) = parts[p];
+            let (s, l) = job.parts[p];
             let (acc, _) = res.as_chunks::<TILE>();
             scatter(acc, t * TILE - s, l, &mut outs[p]);
         }
@@ -127,14 +123,8 @@ impl Tiles {
 
     /// Many rows (prefill): blocks of rows split over the pool, each running every tile of
     /// every part in passes of 4 rows and writing its own rows of each part.
-    fn by_rows(
-        &self,
-        acts: &Acts,
-        rows: usize,
-        kb: usize,
-        parts: &[(usize, usize)],
-        outs: &mut [Vec<f32>],
-    ) {
+    fn by_rows(&self, job: &Product<'_>, outs: &mut [Vec<f32>]) {
+        let rows = job.rows;
         let threads = rayon::current_num_threads().max(1);
         let block = rows
             .div_ceil(4 * threads)
@@ -143,7 +133,7 @@ impl Tiles {
         let blocks = rows.div_ceil(block);
         // Per block, its rows of every part.
         let mut dst: Vec<Vec<&mut [f32]>> = (0..blocks).map(|_| Vec::new()).collect();
-        for (y, &(_, l)) in outs.iter_mut().zip(parts) {
+        for (y, &(_, l)) in outs.iter_mut().zip(job.parts) {
             for (b, chunk) in y.chunks_mut(block * l).enumerate() {
                 dst[b].push(chunk);
             }
@@ -156,10 +146,9 @@ impl Tiles {
             let first = b * block;
             let n = block.min(rows - first);
             let mut acc = [[0f32; TILE]; ROW_BLOCK];
-            for (p, &(s, l)) in parts.iter().enumerate() {
-                for t in s / TILE..(s + l).div_ceil(TILE) {
-                    let (kind, j) = self.locate(t, kb);
-                    self.tile(kind, j * kb..(j + 1) * kb, acts, first, &mut acc[..n]);
+            for (p, &(s, l)) in job.parts.iter().enumerate() {
+                for t in job.tiles(p) {
+                    self.tile(t, job, first, &mut acc[..n]);
                     scatter(&acc[..n], t * TILE - s, l, mine[p]);
                 }
             }
@@ -167,17 +156,12 @@ impl Tiles {
         crate::runtime::par::for_each_index(blocks, false, item);
     }
 
-    /// One tile (its blocks `range`) against input rows `first..first + out.len()`; rows in
-    /// passes of at most 4 (register pressure), each row by the same arithmetic as alone.
-    fn tile(
-        &self,
-        kind: &Kind,
-        range: std::ops::Range<usize>,
-        acts: &Acts,
-        first: usize,
-        out: &mut [[f32; TILE]],
-    ) {
-        let kb = range.len();
+    /// Tile `t` against input rows `first..first + out.len()`; rows in passes of at most 4
+    /// (register pressure), each row by the same arithmetic as alone.
+    fn tile(&self, t: usize, job: &Product<'_>, first: usize, out: &mut [[f32; TILE]]) {
+        let (kb, acts) = (job.kb, job.acts);
+        let (kind, j) = self.locate(t, kb);
+        let range = j * kb..(j + 1) * kb;
         let mut row0 = 0;
         while row0 < out.len() {
             let n = (out.len() - row0).min(4);
@@ -211,6 +195,23 @@ impl Tiles {
             }
             row0 += n;
         }
+    }
+}
+
+/// One product's input and outputs: the quantized rows, `kb` blocks each, and the output rows
+/// `(start, len)` of each part.
+struct Product<'a> {
+    acts: &'a Acts,
+    rows: usize,
+    kb: usize,
+    parts: &'a [(usize, usize)],
+}
+
+impl Product<'_> {
+    /// The tiles part `p` spans.
+    fn tiles(&self, p: usize) -> std::ops::Range<usize> {
+        let (s, l) = self.parts[p];
+        s / TILE..(s + l).div_ceil(TILE)
     }
 }
 
