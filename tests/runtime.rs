@@ -715,3 +715,45 @@ fn a_chat_template_jinja_file_beside_the_config_is_the_models_template() {
         .to_string();
     assert!(e.contains("chat_template.jinja"), "{e}");
 }
+
+/// `GgufOptions::prefill` picks what multiplies a prompt's rows: the f32 copies and the tiles
+/// give different logits (the tiles round activations to 8 bits), close enough to agree on the
+/// top tokens, and `Auto` is exactly one of the two, the one `prefill_beats_gemm_here` names.
+#[test]
+fn prefill_option_picks_the_f32_copy_or_the_tiles() {
+    use envace::runtime::quant_tiles::prefill_beats_gemm_here;
+    let path = smollm2();
+    let logits = |prefill| {
+        let opts = GgufOptions {
+            prefill,
+            ..GgufOptions::default()
+        };
+        let (dec, _) = load_gguf_with(&path, &Device::Cpu, opts).unwrap();
+        // 40 tokens: more rows than a decode step, so the prefill path runs.
+        let ids: Vec<u32> = (0..40u32).map(|i| 200 + i * 131).collect();
+        let t = Tensor::from_vec(ids, (1, 40), &Device::Cpu).unwrap();
+        let mut cache = dec.new_cache();
+        dec.forward(&t, &mut cache, Pass::Infer, LogitsAt::All)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+    };
+    let (gemm, tiles, auto) = (
+        logits(PrefillOn::Gemm),
+        logits(PrefillOn::Tiles),
+        logits(PrefillOn::Auto),
+    );
+    let d = max_abs_diff(&gemm, &tiles);
+    assert!(
+        d > 0.0 && d < 3.0,
+        "f32 copy vs tiles: max abs logit diff {d}"
+    );
+    let last = |t: &Tensor| top_ids(&t.get(39).unwrap(), 1);
+    assert_eq!(last(&gemm), last(&tiles));
+    let want = if prefill_beats_gemm_here() {
+        &tiles
+    } else {
+        &gemm
+    };
+    assert_eq!(max_abs_diff(&auto, want), 0.0, "auto is neither path");
+}

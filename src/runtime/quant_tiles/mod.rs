@@ -537,6 +537,12 @@ pub fn available() -> bool {
     simd().is_some()
 }
 
+/// Whether the tiles of this CPU's best instruction set prefill faster than an f32 copy
+/// ([`Tiles::prefill_beats_gemm`] of tiles made by [`Tiles::new`]).
+pub fn prefill_beats_gemm_here() -> bool {
+    isas().first() == Some(&Isa::Avx512) && cpu_is_amd()
+}
+
 /// Whether CPUID's vendor string is AMD's.
 fn cpu_is_amd() -> bool {
     #[cfg(target_arch = "x86_64")]
