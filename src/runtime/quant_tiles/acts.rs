@@ -14,6 +14,9 @@ pub(super) struct Acts {
     pub(super) d: Vec<f32>,
     /// `d · Σ q` over the block (the Q4_1 offset term's factor).
     pub(super) s: Vec<f32>,
+    /// `32 · Σ q` over values 0..16 and 16..32 of the block (the Q6_K offset terms: its
+    /// weights are stored as `q + 32`).
+    pub(super) h: Vec<[i32; 2]>,
 }
 
 impl Acts {
@@ -23,6 +26,7 @@ impl Acts {
         let mut q = Vec::with_capacity(n);
         let mut d = Vec::with_capacity(n);
         let mut s = Vec::with_capacity(n);
+        let mut h = Vec::with_capacity(n);
         for chunk in x.chunks_exact(BLOCK) {
             // Eight lanes at a time; `round` (half away from zero) as truncation plus one step
             // away where the exact remainder is at least a half: the same integers.
@@ -43,6 +47,9 @@ impl Acts {
                 qi[8 * i..8 * i + 8].copy_from_slice(&(t - up + down).to_array());
             }
             let sum: i32 = qi.iter().sum();
+            let lo: i32 = 32 * qi[..BLOCK / 2].iter().sum::<i32>();
+            let hi = 32 * sum - lo;
+            h.push([lo, hi]);
             let mut groups = [0i32; 8];
             for (g, four) in qi.chunks_exact(4).enumerate() {
                 groups[g] = i32::from_le_bytes(std::array::from_fn(|j| four[j] as i8 as u8));
@@ -52,7 +59,7 @@ impl Acts {
             d.push(scale);
             s.push(scale * sum as f32);
         }
-        Self { q, d, s }
+        Self { q, d, s, h }
     }
 
     /// The rows from `row0` on, `kb` blocks each.
@@ -85,5 +92,9 @@ impl ActRows<'_> {
     #[inline(always)]
     pub(super) fn s(&self, r: usize, b: usize) -> f32 {
         self.acts.s[self.start + r * self.kb + b]
+    }
+    #[inline(always)]
+    pub(super) fn h(&self, r: usize, b: usize) -> [i32; 2] {
+        self.acts.h[self.start + r * self.kb + b]
     }
 }

@@ -4,8 +4,8 @@
 use std::arch::x86_64::__m256;
 
 use super::{
-    ActRows, DmScales, Nibbles, PREFETCH_BLOCKS, Q8Block, Scales32, Simd, TILE, Tiles, f16x8,
-    fifth, prefetch,
+    ActRows, DmScales, Nibbles, PREFETCH_BLOCKS, Q6Block, Q6Scales, Q8Block, Simd, TILE, Tiles,
+    f16x8, fifth, prefetch,
 };
 
 /// Half `h` (rows 8h..8h+8) of a 16-row register's 64 bytes, as an AVX2 register.
@@ -137,44 +137,73 @@ impl Tiles {
         }
     }
 
-    /// AVX2 Q6_K (signed byte weights -32..31, a scale per 16 values), by the halves of the
-    /// tile.
+    /// AVX2 Q6_K in the 6-bit layout (see [`Self::q6k`]), by the halves of the tile; the top
+    /// bits merged with and/or.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub(super) fn q6k_avx2<const R: usize>(
         &self,
-        blocks: &[Q8Block],
-        d: &[Scales32],
+        blocks: &[Q6Block],
+        d: &[Q6Scales],
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
-        use std::arch::x86_64::__m256i;
+        use std::arch::x86_64::{__m128i, __m256i};
         let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
             return;
         };
         let ones = x._mm256_set1_epi16(1);
+        let low = x._mm256_set1_epi8(0x0F);
+        let top = x._mm256_set1_epi8(0x30);
         for h in 0..2 {
             let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
             for (b, blk) in blocks.iter().enumerate() {
                 if h == 0 {
                     prefetch(sse, blocks, b + PREFETCH_BLOCKS);
                 }
-                // i16 lanes per half block: 8 products of at most 32 · 127, no saturation.
-                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
-                for g in 0..8 {
-                    let w = half_reg(&blk.qs[g], h);
-                    let mag = x2._mm256_abs_epi8(w);
+                // i16 lanes as in the AVX-512 kernel.
+                let mut acc: [[[__m256i; R]; 2]; 2] = [[[x._mm256_setzero_si256(); R]; 2]; 2];
+                for n in 0..4 {
+                    let w = half_reg(&blk.qs[n], h);
+                    let qh = half_reg(&blk.qh[n / 2], h);
+                    let (tlo, thi) = if n % 2 == 0 {
+                        (x2._mm256_slli_epi16::<4>(qh), x2._mm256_slli_epi16::<2>(qh))
+                    } else {
+                        (qh, x2._mm256_srli_epi16::<2>(qh))
+                    };
+                    let lo = x2._mm256_and_si256(w, low);
+                    let hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
+                    let lo = x2._mm256_or_si256(lo, x2._mm256_and_si256(tlo, top));
+                    let hi = x2._mm256_or_si256(hi, x2._mm256_and_si256(thi, top));
                     for r in 0..R {
-                        let a = x2._mm256_sign_epi8(x._mm256_set1_epi32(acts.q(r, b)[g]), w);
-                        let p = x2._mm256_maddubs_epi16(mag, a);
-                        acc[g / 4][r] = x2._mm256_add_epi16(acc[g / 4][r], p);
+                        let q = acts.q(r, b);
+                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
+                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
+                        acc[0][n / 2][r] = x2._mm256_add_epi16(acc[0][n / 2][r], plo);
+                        acc[1][n / 2][r] = x2._mm256_add_epi16(acc[1][n / 2][r], phi);
                     }
                 }
-                let [dlo, dhi]: [__m256; 2] = bytemuck::cast(d[b].half8(h));
+                let s = &d[b];
+                let wd: __m256 = bytemuck::cast(f16x8(&s.d[8 * h..8 * h + 8]));
+                let sc = |at: usize| {
+                    let mut v = [0i8; TILE];
+                    v[..8].copy_from_slice(&s.sc[at..at + 8]);
+                    let v = x2._mm256_cvtepi8_epi32(bytemuck::cast::<[i8; TILE], __m128i>(v));
+                    x._mm256_mul_ps(wd, x._mm256_cvtepi32_ps(v))
+                };
+                let (dlo, dhi) = (sc(8 * h), sc(TILE + 8 * h));
                 for r in 0..R {
                     let da = x._mm256_set1_ps(acts.d(r, b));
-                    let lo = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[0][r], ones));
-                    let hi = x._mm256_cvtepi32_ps(x2._mm256_madd_epi16(acc[1][r], ones));
+                    let [hlo, hhi] = acts.h(r, b);
+                    let half = |a: [__m256i; 2], off: i32| {
+                        let sum = x2._mm256_add_epi32(
+                            x2._mm256_madd_epi16(a[0], ones),
+                            x2._mm256_madd_epi16(a[1], ones),
+                        );
+                        x._mm256_cvtepi32_ps(x2._mm256_sub_epi32(sum, x._mm256_set1_epi32(off)))
+                    };
+                    let lo = half([acc[0][0][r], acc[0][1][r]], hlo);
+                    let hi = half([acc[1][0][r], acc[1][1][r]], hhi);
                     facc[r] = fma._mm256_fmadd_ps(lo, x._mm256_mul_ps(dlo, da), facc[r]);
                     facc[r] = fma._mm256_fmadd_ps(hi, x._mm256_mul_ps(dhi, da), facc[r]);
                 }

@@ -30,8 +30,13 @@
 //!   nibbles plus a register of 5th bits per block, merged into each nibble register with a
 //!   shift and a ternary-logic OR (AVX2: and, or); `D`, `M` as Q4_1's; i16 lanes hold the
 //!   products of two nibble registers (4 · 2 · 31 · 127 < 2¹⁵), so a block has two sums.
-//!   Q6_K has a scale per 16 values and q in −32..31: signed bytes in the Q8_0 layout with
-//!   Q8_0's sign trick, two f32 scales per 32-block and an integer sum per half (8 · 32 · 127).
+//!   Q6_K has a scale per 16 values and q in −32..31, stored as `u = q + 32` in 0..63: the
+//!   6-bit layout, the Q4_1 nibbles plus a plane of top-2-bit pairs (merged like Q5's 5th
+//!   bits), with the file's i8 scales and f16 `d` (0.875 bytes per weight; as signed bytes
+//!   with f32 scale products it took 1.25). The kernel sums `u · a` per 16-value half (i16
+//!   lanes hold two nibble registers' products, 4 · 63 · 127 < 2¹⁵) and subtracts
+//!   `32 · Σ a` of the half (precomputed with the activations): the integer `Σ q · a`,
+//!   then `d · sc` in f32 as candle's dequantization computes it.
 //! - The other legacy types go into the kind that holds them exactly: Q4_0 (`d · (q − 8)`) as
 //!   Q4_1 with `m = −8d`; Q5_1 (`d · q + m`, q in 0..31) in the 5-bit layout with its f16
 //!   scales, and Q5_0 (`d · (q − 16)`) as Q5_1 with `m = −16d`. (SmolLM2's hidden size, 576, is
@@ -102,10 +107,32 @@ struct Q5Block {
     qh: [u8; 64],
 }
 
-/// One 32-wide block's f32 scales for the 16 rows of a tile, as k-quant blocks have them after
-/// their per-superblock `d` and `dmin` multiply the 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block
-/// scales: `[D; M]` (the weight is `D · q + M`) or, for Q6_K, `[D of values 0..16; D of values
-/// 16..32]`.
+/// One 32-wide 6-bit block of 16 output rows (Q6_K, as `q + 32` in 0..63): the low 4 bits of
+/// each value in the [`Q4Block`] nibble layout (`qs`), the top 2 bits in `qh[n / 2]` beside
+/// them: byte `4r + k` holds row `r`'s top bits of the values in byte `4r + k` of `qs[n]`, the
+/// low nibble's at bit `4 · (n % 2)` and the high nibble's at bit `4 · (n % 2) + 2`. 384 bytes
+/// for 512 weights, where the same values as signed bytes took 512.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Q6Block {
+    qs: [[u8; 64]; 4],
+    qh: [[u8; 64]; 2],
+}
+
+/// One 32-wide Q6_K block's scales for the 16 rows of a tile, as the file has them: the i8
+/// sub-block scales of values 0..16 (`sc[..16]`) and 16..32 (`sc[16..]`) and each row's f16
+/// superblock `d`. The kernels multiply them in f32 (`d · sc`) as candle's dequantization does,
+/// so one cache line per block serves where the products took two.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Q6Scales {
+    sc: [i8; 2 * TILE],
+    d: [u16; TILE],
+}
+
+/// One 32-wide block's f32 scales for the 16 rows of a tile, as Q4_K and Q5_K blocks have them
+/// after their per-superblock `d` and `dmin` multiply the 6-bit sub-block scales: `[D; M]`
+/// (the weight is `D · q + M`).
 type Scales32 = [f32; 2 * TILE];
 
 /// Values per k-quant superblock.
@@ -137,10 +164,10 @@ enum Kind {
         blocks: Vec<Q5Block>,
         dm: Vec<Scales32>,
     },
-    /// Q6_K: q in -32..31 as signed bytes in the Q8_0 layout, a scale per 16 values.
+    /// Q6_K: `q + 32` in 0..63 in the 6-bit layout, a scale per 16 values.
     Q6K {
-        blocks: Vec<Q8Block>,
-        d: Vec<Scales32>,
+        blocks: Vec<Q6Block>,
+        d: Vec<Q6Scales>,
     },
 }
 
@@ -248,6 +275,20 @@ impl Q5Block {
     };
 }
 
+impl Q6Block {
+    const ZERO: Self = Q6Block {
+        qs: [[0; 64]; 4],
+        qh: [[0; 64]; 2],
+    };
+}
+
+impl Q6Scales {
+    const ZERO: Self = Q6Scales {
+        sc: [0; 2 * TILE],
+        d: [0; TILE],
+    };
+}
+
 /// The blocks of the one nibble kernel per instruction set: 4-bit ([`Q4Block`]) or 5-bit
 /// ([`Q5Block`]: the same nibbles plus 5th bits, merged in when `FIFTH`, a compile-time
 /// constant, so the 4-bit kernel carries none of it).
@@ -344,13 +385,16 @@ impl DmScales for Scales32 {
     }
 }
 
-/// One k-quant superblock decoded as candle's `to_float` reads it: 256 quants (Q6_K: `q − 32`
-/// as i8 bytes) and the f32 scale products (`d · sc`: 8 per 32 values, Q6_K 16 per 16 values;
-/// `m = −dmin · min`: 8 per 32 values).
+/// One k-quant superblock decoded as candle's `to_float` reads it: 256 quants (Q6_K: `q + 32`,
+/// unsigned as the file stores it) and the scales: Q4_K, Q5_K the f32 products `d · sc` and
+/// `m = −dmin · min`, 8 each per 32 values; Q6_K its 16 i8 scales (one per 16 values) in `sc`
+/// and its f16 `d` (bits) in `d6`.
 struct KBlock {
     q: [u8; QK_K],
-    d: [f32; 16],
+    d: [f32; 8],
     m: [f32; 8],
+    sc: [i8; 16],
+    d6: u16,
 }
 
 /// ggml's 6-bit scale and min of sub-block `j` (candle's `get_scale_min_k4`).
@@ -371,24 +415,25 @@ impl KBlock {
         let h = |i: usize| f16::from_le_bytes([s[i], s[i + 1]]).to_f32();
         let mut k = KBlock {
             q: [0; QK_K],
-            d: [0.0; 16],
+            d: [0.0; 8],
             m: [0.0; 8],
+            sc: [0; 16],
+            d6: 0,
         };
         if dtype == GgmlDType::Q6K {
             // ql [128], qh [64], scales [i8; 16], d: value v's low 4 bits are a nibble of
             // ql[64·(v/128) + v%32 (+32 in quarters 1, 3)] (low in quarters 0, 1), its high 2
             // bits are bits 2·quarter of qh[32·(v/128) + v%32]; its scale is scales[v/16].
-            let (ql, qh, sc, d) = (&s[..128], &s[128..192], &s[192..208], h(208));
+            let (ql, qh, sc) = (&s[..128], &s[128..192], &s[192..208]);
             for v in 0..QK_K {
                 let (half, quarter, l) = (v / 128, v % 128 / 32, v % 32);
                 let byte = ql[64 * half + 32 * (quarter % 2) + l];
                 let lo = if quarter < 2 { byte & 0x0F } else { byte >> 4 };
                 let hi = (qh[32 * half + l] >> (2 * quarter)) & 3;
-                k.q[v] = ((lo | (hi << 4)) as i8 - 32) as u8;
+                k.q[v] = lo | (hi << 4);
             }
-            for (j, &c) in sc.iter().enumerate() {
-                k.d[j] = d * c as i8 as f32;
-            }
+            k.sc = std::array::from_fn(|j| sc[j] as i8);
+            k.d6 = u16::from_le_bytes([s[208], s[209]]);
         } else {
             // d, dmin, scales [12], (Q5_K: qh [32],) qs [128]: sub-block j's value l is a nibble
             // of qs[32·(j/2) + l] (low for even j), plus 16 where bit j of qh[l] is set.
@@ -432,6 +477,18 @@ fn put_q5(blk: &mut Q5Block, r: usize, q: impl Fn(usize) -> u8) {
             let (lo, hi) = (q(4 * n + k), q(4 * (n + 4) + k));
             blk.qs[n][4 * r + k] = (lo & 0x0F) | ((hi & 0x0F) << 4);
             blk.qh[4 * r + k] |= ((lo >> 4) << (2 * n)) | ((hi >> 4) << (2 * n + 1));
+        }
+    }
+}
+
+/// Row `r` of a 6-bit tile block from the block's 32 quants (each < 64).
+fn put_q6(blk: &mut Q6Block, r: usize, q: impl Fn(usize) -> u8) {
+    for n in 0..4 {
+        for k in 0..4 {
+            let (lo, hi) = (q(4 * n + k), q(4 * (n + 4) + k));
+            let at = 4 * (n % 2);
+            blk.qs[n][4 * r + k] = (lo & 0x0F) | ((hi & 0x0F) << 4);
+            blk.qh[n / 2][4 * r + k] |= ((lo >> 4) << at) | ((hi >> 4) << (at + 2));
         }
     }
 }
@@ -739,8 +796,10 @@ impl Tiles {
                 let n = |on: bool| if on { tiles * kb } else { 0 };
                 let mut q4 = vec![Q4Block { qs: [[0; 64]; 4] }; n(dtype == GgmlDType::Q4K)];
                 let mut q5 = vec![Q5Block::ZERO; n(dtype == GgmlDType::Q5K)];
-                let mut q8 = vec![Q8Block { qs: [[0; 64]; 8] }; n(dtype == GgmlDType::Q6K)];
-                let mut sc = vec![[0f32; 2 * TILE]; tiles * kb];
+                let q6k = dtype == GgmlDType::Q6K;
+                let mut q6 = vec![Q6Block::ZERO; n(q6k)];
+                let mut s6 = vec![Q6Scales::ZERO; n(q6k)];
+                let mut sc = vec![[0f32; 2 * TILE]; n(!q6k)];
                 for row in 0..out {
                     let (ti, r) = (row / TILE, row % TILE);
                     for sb in 0..nb {
@@ -748,9 +807,10 @@ impl Tiles {
                         for j in 0..QK_K / BLOCK {
                             let i = ti * kb + sb * (QK_K / BLOCK) + j;
                             let q = &k.q[BLOCK * j..BLOCK * (j + 1)];
-                            if dtype == GgmlDType::Q6K {
-                                sc[i][r] = k.d[2 * j];
-                                sc[i][TILE + r] = k.d[2 * j + 1];
+                            if q6k {
+                                s6[i].sc[r] = k.sc[2 * j];
+                                s6[i].sc[TILE + r] = k.sc[2 * j + 1];
+                                s6[i].d[r] = k.d6;
                             } else {
                                 sc[i][r] = k.d[j];
                                 sc[i][TILE + r] = k.m[j];
@@ -758,7 +818,7 @@ impl Tiles {
                             match dtype {
                                 GgmlDType::Q4K => put_q4(&mut q4[i], r, |v| q[v]),
                                 GgmlDType::Q5K => put_q5(&mut q5[i], r, |v| q[v]),
-                                _ => put_q8(&mut q8[i], r, q),
+                                _ => put_q6(&mut q6[i], r, |v| q[v]),
                             }
                         }
                     }
@@ -766,7 +826,7 @@ impl Tiles {
                 match dtype {
                     GgmlDType::Q4K => Kind::Q4K { blocks: q4, dm: sc },
                     GgmlDType::Q5K => Kind::Q5K { blocks: q5, dm: sc },
-                    _ => Kind::Q6K { blocks: q8, d: sc },
+                    _ => Kind::Q6K { blocks: q6, d: s6 },
                 }
             }
         };
