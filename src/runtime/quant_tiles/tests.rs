@@ -3,7 +3,7 @@
 //! tiles, stacking, and refusals.
 
 use super::*;
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{QMatMul, QStorage};
 use candle_core::{Module, Tensor};
 
 /// The weight's own dot product in f64: its stored blocks (scales through f16) against the
@@ -516,5 +516,54 @@ fn prefill_rows_equal_each_row_alone_and_parts_equal_the_stack() {
         assert!(stack.matmul_parts(&x, &[(8, 16)]).is_err());
         assert!(stack.matmul_parts(&x, &[(128, 32)]).is_err());
         assert!(stack.matmul_parts(&x, &[(16, 0)]).is_err());
+    }
+}
+
+#[test]
+fn q6k_tiles_hold_the_extreme_quants_without_overflow() {
+    // Every Q6_K quant at 31 (stored 63: the i16 lanes' largest sums, 4 · 63 · 127) or at −32
+    // (stored 0), with the largest scales, against activations at ±127: the 6-bit kernel's
+    // offset (`32 · Σ a`) and lane sums must give the weights candle dequantizes.
+    if !available() {
+        return;
+    }
+    let (out, inp) = (32, 512);
+    let mut data = Vec::new();
+    for row in 0..out {
+        for sb in 0..inp / 256 {
+            let bits = if (row + sb) % 3 == 0 { 0x00 } else { 0xFF };
+            data.extend(std::iter::repeat_n(bits, 128 + 64)); // ql, qh
+            // Each 16-value half its own scale (one sign per row: large terms of opposite
+            // signs would cancel to below the f32 sums' rounding).
+            let (big, small): (i8, i8) = if row % 2 == 0 {
+                (127, 100)
+            } else {
+                (-128, -100)
+            };
+            data.extend((0..16).map(|j| if j % 2 == 0 { big as u8 } else { small as u8 }));
+            data.extend(half::f16::from_f32(0.25 * (1 + row % 5) as f32).to_le_bytes());
+        }
+    }
+    let storage =
+        QStorage::from_data(std::borrow::Cow::Owned(data), &Device::Cpu, GgmlDType::Q6K).unwrap();
+    let qt = QTensor::new(storage, (out, inp)).unwrap();
+    for isa in isas() {
+        let tiles = Tiles::with_isa(&qt, isa).unwrap().unwrap();
+        let rows: Vec<Vec<f32>> = vec![
+            vec![1.0; inp],
+            vec![-1.0; inp],
+            (0..inp)
+                .map(|i| if i % 16 < 8 { 1.0 } else { -1.0 })
+                .collect(),
+        ];
+        let x = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+        let ours = tiles.matmul(&x).unwrap().to_vec2::<f32>().unwrap();
+        for (r, xr) in rows.iter().enumerate() {
+            let want = reference_dequantized(&qt, xr);
+            for (a, b) in ours[r].iter().zip(&want) {
+                let tol = 1e-5 * (1.0 + b.abs()) + 1e-4;
+                assert!((*a as f64 - b).abs() <= tol, "{isa:?} row {r}: {a} vs {b}");
+            }
+        }
     }
 }
