@@ -532,6 +532,18 @@ enum Simd {
     Avx2,
 }
 
+impl Isa {
+    /// Whether tiles with these kernels prefill faster than an f32 copy of the weights through
+    /// candle's gemm, on this CPU: the AVX-512 kernels on AMD CPUs. Zen 4 issues a 512-bit FMA
+    /// as two 256-bit halves, so gemm's f32 rate is half an Intel core's, while the tiles'
+    /// `maddubs` does 64 multiply-adds per instruction (`cargo bench --bench prefill_matmul`
+    /// measures both on one layer; docs/PERFORMANCE.md has the figures). Intel's AVX-512
+    /// cores keep the f32 copy: there the tiles were not measured faster.
+    pub fn prefill_beats_gemm(self) -> bool {
+        self == Isa::Avx512 && cpu_is_amd()
+    }
+}
+
 impl Simd {
     fn isa(self) -> Isa {
         match self {
@@ -597,7 +609,7 @@ pub fn available() -> bool {
 /// Whether the tiles of this CPU's best instruction set prefill faster than an f32 copy
 /// ([`Tiles::prefill_beats_gemm`] of tiles made by [`Tiles::new`]).
 pub fn prefill_beats_gemm_here() -> bool {
-    isas().first() == Some(&Isa::Avx512) && cpu_is_amd()
+    isas().first().is_some_and(|isa| isa.prefill_beats_gemm())
 }
 
 /// Whether CPUID's vendor string is AMD's.
@@ -880,13 +892,9 @@ impl Tiles {
     }
 
     /// Whether a prefill's rows run faster on these tiles than on an f32 copy of the weights
-    /// through candle's gemm: with the AVX-512 kernels on AMD CPUs. Zen 4 issues a 512-bit FMA
-    /// as two 256-bit halves, so gemm's f32 rate is half an Intel core's, while the tiles'
-    /// `maddubs` does 64 multiply-adds per instruction (`cargo bench --bench prefill_matmul`
-    /// measures both on one layer; docs/PERFORMANCE.md has the figures). Intel's AVX-512
-    /// cores keep the f32 copy: there the tiles were not measured faster.
+    /// ([`Isa::prefill_beats_gemm`] of their instruction set).
     pub fn prefill_beats_gemm(&self) -> bool {
-        self.isa() == Isa::Avx512 && cpu_is_amd()
+        self.isa().prefill_beats_gemm()
     }
 
     #[cfg(not(target_arch = "x86_64"))]
