@@ -1,5 +1,6 @@
-//! The parts of `envace bench generate` that need the engine or a second process: the
-//! Private Rehearsal timing and the competing process of `--contend`.
+//! `envace bench train`, `envace bench generate` (with the Private Rehearsal timing and the
+//! competing process of `--contend`, which need the engine or a second process) and the
+//! competing process itself, `envace bench spin`.
 
 use std::path::Path;
 
@@ -12,7 +13,7 @@ use envace::env::tasks::find_builtin;
 
 /// The `--rehearsal-task` of `envace bench generate` (checked before the benchmark runs):
 /// `None` for `none`.
-pub fn bench_rehearsal_task(task: &str) -> Result<Option<&'static envace::env::tasks::Task>> {
+fn bench_rehearsal_task(task: &str) -> Result<Option<&'static envace::env::tasks::Task>> {
     if task == "none" {
         return Ok(None);
     }
@@ -24,7 +25,7 @@ pub fn bench_rehearsal_task(task: &str) -> Result<Option<&'static envace::env::t
 /// `rehearsal_ms` of `envace bench generate`: the first Private Rehearsal of `task` played by
 /// `model` in real mode. `None` when the episode never rehearsed (the model proposed no
 /// irreversible call).
-pub fn bench_rehearsal(
+fn bench_rehearsal(
     model: envace::runtime::LocalModel,
     path: &Path,
     task: &envace::env::tasks::Task,
@@ -43,7 +44,7 @@ pub fn bench_rehearsal(
 
 /// `bench generate --contend N`: `decode_tok_s` measured again beside a [`Competitor`] of `N`
 /// busy threads, and its ratio to the quiet figure already in `r`.
-pub fn bench_contended(
+fn bench_contended(
     model: &envace::runtime::LocalModel,
     a: &crate::cli::BenchGenerateArgs,
     r: &mut envace::runtime::bench::GenerateBench,
@@ -61,12 +62,12 @@ pub fn bench_contended(
 /// A competing process for `bench generate --contend`: a child `envace bench spin` that keeps
 /// its threads busy until dropped (its standard input closes with the pipe, so it also ends if
 /// this process dies first).
-pub struct Competitor {
+struct Competitor {
     child: std::process::Child,
 }
 
 impl Competitor {
-    pub fn spawn(threads: usize) -> Result<Self> {
+    fn spawn(threads: usize) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the envace binary")?;
         let child = std::process::Command::new(&exe)
             .args(["bench", "spin", "--threads", &threads.to_string()])
@@ -115,6 +116,57 @@ pub fn spin(threads: usize) -> Result<()> {
         if w.join().is_err() {
             bail!("a spinning thread panicked");
         }
+    }
+    Ok(())
+}
+
+/// `envace bench train`: training throughput of a model or a named shape.
+pub fn bench_train(a: crate::cli::BenchTrainArgs) -> Result<()> {
+    use envace::train::bench;
+    let model = match (&a.model, &a.shape) {
+        (None, None) => Some(std::path::PathBuf::from("models/envace-tiny")),
+        (m, _) => m.clone(),
+    };
+    let (m, label, total) = bench::load(
+        model.as_deref(),
+        a.shape.as_deref(),
+        a.lora,
+        0,
+        &candle_core::Device::Cpu,
+    )?;
+    let cfg = bench::TrainBenchConfig {
+        batch: a.batch,
+        seq: a.seq,
+        steps: a.steps.max(1),
+        seed: 0,
+    };
+    let r = bench::run(&m, &label, total, a.lora, &cfg)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    }
+    Ok(())
+}
+
+/// `envace bench generate`: prefill / decode throughput and branch cost, then the contended
+/// decode and the Private Rehearsal timing when asked for.
+pub fn bench_generate(a: crate::cli::BenchGenerateArgs) -> Result<()> {
+    let task = bench_rehearsal_task(&a.rehearsal_task)?;
+    let model = envace::runtime::LocalModel::load(&a.model, a.device)
+        .with_context(|| format!("loading {}", a.model.display()))?;
+    let mut r =
+        envace::runtime::bench::run(&model, a.prompt_tokens, a.new_tokens, a.runs, &a.depths)?;
+    if a.contend > 0 {
+        bench_contended(&model, &a, &mut r)?;
+    }
+    if let Some(task) = task {
+        r.rehearsal_ms = bench_rehearsal(model, &a.model, task)?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("{}", serde_json::to_string_pretty(&r)?);
     }
     Ok(())
 }

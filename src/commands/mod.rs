@@ -14,17 +14,19 @@ use envace::engine::profile::PromptProfile;
 use envace::engine::runner::{ConfigError, EpisodeConfig, ModeChoice};
 use envace::runtime::{CancelToken, DeviceChoice};
 
+mod app;
 mod bench;
 mod episode;
 mod export;
 mod sessions;
 mod train;
 
-pub use bench::{bench_contended, bench_rehearsal, bench_rehearsal_task, spin};
+pub use app::{demo, generate, tui};
+pub use bench::{bench_generate, bench_train, spin};
 pub use episode::{eval, run};
 pub use export::export;
 pub use sessions::{diff, fork, sessions};
-pub use train::{merge, train, train_sft};
+pub use train::{merge, pretrain, train, train_sft};
 
 /// How the binary's exit status reports an episode command (README, "Exit codes"): returned as
 /// an error so that `main` exits with `code` after printing `message` (when not empty).
@@ -214,4 +216,11 @@ pub(crate) fn outcome_json(o: &EpisodeOutcome, session: &Path) -> serde_json::Va
         "score": o.score,
         "stats": o.stats,
     })
+}
+
+/// The async runtime of the commands that talk to environments or servers.
+pub fn tokio_runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }

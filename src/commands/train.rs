@@ -1,5 +1,6 @@
-//! `envace train` (GRPO), `envace train sft` (on collected sessions) and `envace merge`: the
-//! trainable model the flags name, handed to `envace::train`.
+//! `envace pretrain` (supervised training on the generated corpus, from scratch or from a
+//! model), `envace train` (GRPO), `envace train sft` (on collected sessions) and `envace
+//! merge`: the trainable model and the configuration the flags name, handed to `envace::train`.
 
 use std::path::{Path, PathBuf};
 
@@ -198,5 +199,93 @@ pub fn train_sft(a: SftArgs) -> Result<()> {
 pub fn merge(a: MergeArgs) -> Result<()> {
     let r = envace::train::lora::merge_adapter(&a.model, &a.adapter, &a.out)?;
     println!("{}", serde_json::to_string_pretty(&r)?);
+    Ok(())
+}
+
+/// `envace pretrain`: the corpus and training settings the flags name (fractions and kind
+/// weights checked first), then `envace::train::pretrain::run_pretrain`.
+pub fn pretrain(a: crate::cli::PretrainArgs) -> Result<()> {
+    use envace::train::metrics::{JsonlSink, MetricsSink, NullSink};
+    use envace::train::pretrain::{PretrainConfig, run_pretrain};
+    let mut cfg = PretrainConfig {
+        seed: a.seed,
+        vocab_size: a.vocab,
+        hidden_size: a.hidden,
+        layers: a.layers,
+        ..Default::default()
+    };
+    cfg.intermediate_size = a.hidden * 11 / 4;
+    cfg.sft.steps = a.steps;
+    cfg.sft.batch_size = a.batch;
+    cfg.sft.lr = a.lr;
+    cfg.sft.time_budget_s = Some(a.minutes * 60.0);
+    cfg.sft.stop_at = a.stop_at;
+    cfg.sft.checkpoint_every = a.checkpoint_every;
+    cfg.sft.warmup = a.warmup;
+    cfg.corpus.tasks_per_domain = a.tasks_per_domain;
+    cfg.corpus.sim_per_task = a.sim_per_task;
+    cfg.corpus.memory_fraction = a.memory_fraction;
+    cfg.corpus.slip_fraction = a.slip_fraction;
+    cfg.corpus.slip_values = a.slip_values;
+    cfg.corpus.copy_per_task = a.copy_per_task;
+    cfg.corpus.recorded_fraction = a.recorded_fraction;
+    cfg.corpus.random_copy_fraction = a.random_copy;
+    cfg.corpus.random_entity_fraction = a.random_entities;
+    cfg.corpus.random_entity_style = a.entity_style;
+    cfg.corpus.tool_drills_per_task = a.tool_drills;
+    cfg.corpus.tool_drill_style = a.tool_drill_style;
+    cfg.corpus.calc_drills_per_task = a.calc_drills;
+    cfg.corpus.spell_drills_per_task = a.spell_drills;
+    cfg.corpus.price_steps = a.price_steps;
+    cfg.corpus.template = a.template;
+    cfg.corpus.kind_weights = a.kind_weights.iter().cloned().collect();
+    let unknown =
+        envace::train::pretrain::unknown_kinds(&envace::env::domains::Domain::ALL, &cfg.corpus);
+    if !unknown.is_empty() {
+        anyhow::bail!(
+            "--kind-weight: no train-split task of the corpus has kind {} (the kinds are the second column of `envace tasks DOMAIN --split train`)",
+            unknown.join(", ")
+        );
+    }
+    for (flag, v) in [
+        ("--random-entities", a.random_entities),
+        ("--random-copy", a.random_copy),
+        ("--memory-fraction", a.memory_fraction),
+        ("--slip-fraction", a.slip_fraction),
+        ("--recorded-fraction", a.recorded_fraction),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            anyhow::bail!("{flag} {v}: a fraction between 0 and 1");
+        }
+    }
+    if a.entity_style != envace::train::pretrain::EntityStyle::Letters && a.random_entities == 0.0 {
+        anyhow::bail!("--entity-style shapes the copies of --random-entities F, which is 0");
+    }
+    cfg.corpus.seed = a.seed;
+    if let Some(r) = a.lora.lora {
+        cfg.lora = Some(envace::train::lora::LoraConfig::new(
+            r,
+            a.lora.lora_alpha,
+            &a.lora.lora_targets,
+            a.seed,
+        )?);
+    }
+    if a.dry_run {
+        let stats = envace::train::pretrain::dry_run(&cfg)?;
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+        return Ok(());
+    }
+    let mut sink: Box<dyn MetricsSink> = match &a.metrics {
+        Some(p) => Box::new(JsonlSink::create(p, a.json)?),
+        None => Box::new(NullSink),
+    };
+    let report = run_pretrain(
+        &cfg,
+        a.init.as_deref(),
+        &a.out,
+        sink.as_mut(),
+        &CancelToken::new(),
+    )?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

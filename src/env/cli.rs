@@ -603,8 +603,8 @@ where
     Ok(v)
 }
 
-/// `--model`'s responder for `eval bfcl`, with `--constrain-tools` applied (refused for a served
-/// model before anything is loaded).
+/// `--model`'s responder for `eval bfcl`, with `--constrain-tools` applied (the binary refuses it
+/// for a served model before this runs).
 fn load_responder<E>(
     args: &BfclEvalArgs,
     model: &std::path::Path,
@@ -613,10 +613,6 @@ fn load_responder<E>(
 where
     E: Into<anyhow::Error>,
 {
-    crate::runtime::openai::refuse_remote_constraint(
-        &model.to_string_lossy(),
-        args.constrain_tools,
-    )?;
     let mut responder = load(model, args.max_tokens, &args.device)
         .map_err(Into::into)
         .with_context(|| format!("loading model {}", model.display()))?;
