@@ -9,6 +9,13 @@
 //! 9 rounds of 10 steps after a warm-up), the weights' bytes in the file's format per step and
 //! the multiply-adds' rate. `RAYON_NUM_THREADS=1` measures one core. Envace's whole decode is
 //! `envace bench generate`; this isolates the kernels, which that run's noise hides.
+//!
+//! Two `stream` lines give this machine's memory roof in the same run: buffers of the Q8_0
+//! step's bytes (the same 120 products of the same sizes), only summed as 64-bit words, split
+//! over the pool as the one-row tiles are (one parallel call per product, items of one tile's
+//! bytes), and the same bytes in one parallel call per step. The first is what the one-row
+//! kernels could reach if their arithmetic were free; the gap between the two is the cost of
+//! the 120 calls.
 
 use std::time::Instant;
 
@@ -43,8 +50,94 @@ fn step(tiles: &[Tiles], xs: &[Tensor]) -> candle_core::Result<()> {
     Ok(())
 }
 
+/// The `stream` baseline: `words[p]` holds product `p`'s bytes as 64-bit words, `items[p]` its
+/// tiles; each item sums its own words.
+struct Stream {
+    words: Vec<Vec<u64>>,
+    items: Vec<usize>,
+}
+
+impl Stream {
+    fn q8_0_step() -> Self {
+        let (mut words, mut items) = (Vec::new(), Vec::new());
+        for _ in 0..LAYERS {
+            for &(out, inp) in &SHAPES {
+                // Q8_0: 34 bytes per 32 weights.
+                let n = (out * inp / 32 * 34).div_ceil(8);
+                words.push((0..n as u64).collect());
+                items.push(out / 16);
+            }
+        }
+        Self { words, items }
+    }
+
+    fn bytes(&self) -> usize {
+        self.words.iter().map(|w| w.len() * 8).sum()
+    }
+
+    /// One parallel call per product, as the tiles' one-row step makes.
+    fn per_product(&self) {
+        for (w, &n) in self.words.iter().zip(&self.items) {
+            let per = w.len().div_ceil(n);
+            envace::runtime::par::for_each_index(n, false, |i| {
+                let part = &w[(i * per).min(w.len())..((i + 1) * per).min(w.len())];
+                std::hint::black_box(part.iter().fold(0u64, |a, &x| a.wrapping_add(x)));
+            });
+        }
+    }
+
+    /// Every product's items in one parallel call.
+    fn one_call(&self) {
+        let at: Vec<(usize, usize)> = self
+            .items
+            .iter()
+            .enumerate()
+            .flat_map(|(p, &n)| (0..n).map(move |i| (p, i)))
+            .collect();
+        envace::runtime::par::for_each_index(at.len(), false, |k| {
+            let (p, i) = at[k];
+            let w = &self.words[p];
+            let per = w.len().div_ceil(self.items[p]);
+            let part = &w[(i * per).min(w.len())..((i + 1) * per).min(w.len())];
+            std::hint::black_box(part.iter().fold(0u64, |a, &x| a.wrapping_add(x)));
+        });
+    }
+}
+
+/// Median and min of 9 rounds of 10 calls of `f` (after one), in milliseconds per call.
+fn time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<(f64, f64)> {
+    f()?;
+    let mut t = Vec::new();
+    for _ in 0..9 {
+        let start = Instant::now();
+        for _ in 0..10 {
+            f()?;
+        }
+        t.push(start.elapsed().as_secs_f64() * 1e3 / 10.0);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok((t[t.len() / 2], t[0]))
+}
+
 fn main() -> candle_core::Result<()> {
     use GgmlDType::*;
+    let stream = Stream::q8_0_step();
+    let mb = stream.bytes() as f64 / 1e6;
+    for (name, how) in [("stream_per_product", true), ("stream_one_call", false)] {
+        let (median, min) = time(|| {
+            if how {
+                stream.per_product();
+            } else {
+                stream.one_call();
+            }
+            Ok(())
+        })?;
+        println!(
+            "{{\"types\":\"{name}\",\"rows\":1,\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{mb:.1},\"gb_s\":{:.1}}}",
+            mb / median
+        );
+    }
+    drop(stream);
     let sets = [
         ("q8_0", [Q8_0, Q8_0, Q8_0, Q8_0]),
         ("q5_0+q6_k", [Q5_0, Q5_0, Q5_0, Q6K]),
@@ -58,22 +151,12 @@ fn main() -> candle_core::Result<()> {
                 .iter()
                 .map(|&(_, inp)| Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu))
                 .collect::<candle_core::Result<_>>()?;
-            step(&tiles, &xs)?;
-            let mut t = Vec::new();
-            for _ in 0..9 {
-                let start = Instant::now();
-                for _ in 0..10 {
-                    step(&tiles, &xs)?;
-                }
-                t.push(start.elapsed().as_secs_f64() * 1e3 / 10.0);
-            }
-            t.sort_by(f64::total_cmp);
-            let median = t[t.len() / 2];
+            let (median, min) = time(|| step(&tiles, &xs))?;
             let macs: usize = SHAPES.iter().map(|(o, i)| o * i * rows * LAYERS).sum();
             println!(
-                "{{\"types\":\"{name}\",\"rows\":{rows},\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{:.3},\"file_mb\":{:.1},\"gmac_s\":{:.1}}}",
-                t[0],
+                "{{\"types\":\"{name}\",\"rows\":{rows},\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{:.1},\"gb_s\":{:.1},\"gmac_s\":{:.1}}}",
                 bytes as f64 / 1e6,
+                bytes as f64 / 1e6 / median,
                 macs as f64 / median / 1e6
             );
         }
