@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 
 use super::{
-    EXIT_CANCELLED, EXIT_ENVIRONMENT, Exit, cancel_on_ctrl_c, episode_config, episode_status,
-    load_model, outcome_json,
+    EXIT_CANCELLED, EXIT_ENVIRONMENT, Exit, cancel_on_ctrl_c, episode_setup, episode_status,
+    outcome_json,
 };
 use crate::cli::{EvalArgs, RunArgs};
 use envace::engine::driver::PolicyApprover;
@@ -51,12 +51,7 @@ fn mcp_run_config(
 }
 
 pub async fn run(a: RunArgs) -> Result<()> {
-    let config = episode_config(&a.mode)?;
-    envace::runtime::openai::refuse_remote_constraint(
-        &a.model.to_string_lossy(),
-        a.mode.constrain_tools,
-    )?;
-    let (model, profile) = load_model(&a.model, a.mode.device)?;
+    let (config, model, profile) = episode_setup(&a.mode, &a.model)?;
     let policy = Policy {
         model: &model,
         profile: profile.as_ref(),
@@ -159,12 +154,7 @@ pub async fn eval(a: EvalArgs) -> Result<()> {
         "test" => Split::Test,
         other => bail!("--split: `{other}` (train or test)"),
     };
-    let config = episode_config(&a.mode)?;
-    envace::runtime::openai::refuse_remote_constraint(
-        &a.model.to_string_lossy(),
-        a.mode.constrain_tools,
-    )?;
-    let (model, profile) = load_model(&a.model, a.mode.device)?;
+    let (config, model, profile) = episode_setup(&a.mode, &a.model)?;
     let dir: PathBuf = match &a.sessions {
         Some(d) => d.clone(),
         None => default_sessions_dir()

@@ -197,6 +197,21 @@ pub fn load_model(
     Ok((share_model(model), profile))
 }
 
+/// What `run` and `eval` start from: the flags' episode configuration, then the model, with
+/// `--constrain-tools` refused for a served model before anything loads.
+pub(crate) fn episode_setup(
+    mode: &ModeArgs,
+    model: &Path,
+) -> Result<(EpisodeConfig, SharedModel, Option<PromptProfile>)> {
+    let config = episode_config(mode)?;
+    envace::runtime::openai::refuse_remote_constraint(
+        &model.to_string_lossy(),
+        mode.constrain_tools,
+    )?;
+    let (model, profile) = load_model(model, mode.device)?;
+    Ok((config, model, profile))
+}
+
 /// Training needs the weights here: a served model is not trainable.
 pub(crate) fn require_local(path: &Path) -> Result<()> {
     if envace::runtime::openai::is_remote(&path.to_string_lossy()) {

@@ -105,12 +105,9 @@ where
                 r.for_each(&f);
             }
         }
-        // Then the others' remaining items, from their backs, the fullest first.
-        while let Some(r) = segments
-            .iter()
-            .max_by_key(|s| s.remaining())
-            .and_then(|s| s.take_back(run))
-        {
+        // Then the others' remaining items, from their backs, the fullest first (another
+        // participant may empty it first: then the next fullest, until every one is empty).
+        while let Some(r) = steal(&segments, run) {
             r.for_each(&f);
         }
     };
@@ -183,6 +180,19 @@ impl Segment {
     }
 }
 
+/// A run from the back of the fullest segment that still has one, or `None` when all are empty.
+fn steal(segments: &[Segment], run: usize) -> Option<std::ops::Range<usize>> {
+    loop {
+        let fullest = segments.iter().max_by_key(|s| s.remaining())?;
+        if fullest.remaining() == 0 {
+            return None;
+        }
+        if let Some(r) = fullest.take_back(run) {
+            return Some(r);
+        }
+    }
+}
+
 /// `front` and `back` (each below 2³², which [`for_each_index`] checks) in one word.
 fn pack(front: usize, back: usize) -> u64 {
     ((front as u64) << 32) | back as u64
@@ -234,7 +244,23 @@ mod tests {
     }
 
     #[test]
-    fn every_index_runs_once_on_more_threads_than_segments_need() {
+    fn stealing_empties_every_segment_from_the_back_and_then_stops() {
+        let segs = [
+            Segment::new(0, 3),
+            Segment::new(3, 10),
+            Segment::new(10, 10),
+        ];
+        let mut got = Vec::new();
+        while let Some(r) = steal(&segs, 2) {
+            got.extend(r);
+        }
+        got.sort_unstable();
+        assert_eq!(got, (0..10).collect::<Vec<_>>());
+        assert!(segs.iter().all(|s| s.remaining() == 0));
+    }
+
+    #[test]
+    fn every_index_runs_once_on_pools_of_two_to_eight_threads() {
         for threads in [2, 3, 4, 8] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
