@@ -57,6 +57,12 @@ fn step(q: &Tensor, layers: &[Layer], scale: f32) -> candle_core::Result<()> {
 }
 
 fn main() -> candle_core::Result<()> {
+    // On a pool worker, as `Decoder::forward` runs (called from outside the pool, every
+    // parallel call would inject its work and put this thread to sleep until it is done).
+    envace::runtime::par::on_pool(run_all)
+}
+
+fn run_all() -> candle_core::Result<()> {
     let shapes = [
         (1, 0, 128),
         (1, 0, 256),

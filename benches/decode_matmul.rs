@@ -10,12 +10,16 @@
 //! the multiply-adds' rate. `RAYON_NUM_THREADS=1` measures one core. Envace's whole decode is
 //! `envace bench generate`; this isolates the kernels, which that run's noise hides.
 //!
-//! Two `stream` lines give this machine's memory roof in the same run: buffers of the Q8_0
+//! The steps run on a pool worker (`caller: "pool"`), as `Decoder::forward` runs a decode step.
+//!
+//! The `stream` lines give this machine's memory roof in the same run: buffers of the Q8_0
 //! step's bytes (the same 120 products of the same sizes), only summed as 64-bit words, split
 //! over the pool as the one-row tiles are (one parallel call per product, items of one tile's
 //! bytes), and the same bytes in one parallel call per step. The first is what the one-row
 //! kernels could reach if their arithmetic were free; the gap between the two is the cost of
-//! the 120 calls.
+//! the 120 calls. Each is also timed from the bench's main thread, outside the pool
+//! (`caller: "outside"`), as this bench called every kernel before 2026-12-07: each call then
+//! injects its work into the pool and the main thread sleeps until it is done.
 
 use std::time::Instant;
 
@@ -104,19 +108,48 @@ impl Stream {
     }
 }
 
-/// Median and min of 9 rounds of 10 calls of `f` (after one), in milliseconds per call.
-fn time(mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<(f64, f64)> {
-    f()?;
-    let mut t = Vec::new();
-    for _ in 0..9 {
-        let start = Instant::now();
-        for _ in 0..10 {
-            f()?;
+/// Where a step's parallel calls come from: the bench's main thread, outside rayon's pool (each
+/// call then injects its work into the pool and sleeps until it is done: how these benches
+/// called the kernels before 2026-12-07), or a pool worker ([`envace::runtime::par::on_pool`]),
+/// as `Decoder::forward` runs a decode step.
+#[derive(Clone, Copy)]
+enum Caller {
+    Outside,
+    Pool,
+}
+
+impl Caller {
+    fn name(self) -> &'static str {
+        match self {
+            Caller::Outside => "outside",
+            Caller::Pool => "pool",
         }
-        t.push(start.elapsed().as_secs_f64() * 1e3 / 10.0);
     }
-    t.sort_by(f64::total_cmp);
-    Ok((t[t.len() / 2], t[0]))
+}
+
+/// Median and min of 9 rounds of 10 calls of `f` (after one), in milliseconds per call, the
+/// calls made from `caller`.
+fn time(
+    caller: Caller,
+    mut f: impl FnMut() -> candle_core::Result<()> + Send,
+) -> candle_core::Result<(f64, f64)> {
+    let mut rounds = move || {
+        f()?;
+        let mut t = Vec::new();
+        for _ in 0..9 {
+            let start = Instant::now();
+            for _ in 0..10 {
+                f()?;
+            }
+            t.push(start.elapsed().as_secs_f64() * 1e3 / 10.0);
+        }
+        t.sort_by(f64::total_cmp);
+        Ok((t[t.len() / 2], t[0]))
+    };
+    match caller {
+        Caller::Outside => rounds(),
+        Caller::Pool => envace::runtime::par::on_pool(rounds),
+    }
 }
 
 fn main() -> candle_core::Result<()> {
@@ -124,18 +157,21 @@ fn main() -> candle_core::Result<()> {
     let stream = Stream::q8_0_step();
     let mb = stream.bytes() as f64 / 1e6;
     for (name, how) in [("stream_per_product", true), ("stream_one_call", false)] {
-        let (median, min) = time(|| {
-            if how {
-                stream.per_product();
-            } else {
-                stream.one_call();
-            }
-            Ok(())
-        })?;
-        println!(
-            "{{\"types\":\"{name}\",\"rows\":1,\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{mb:.1},\"gb_s\":{:.1}}}",
-            mb / median
-        );
+        for caller in [Caller::Outside, Caller::Pool] {
+            let (median, min) = time(caller, || {
+                if how {
+                    stream.per_product();
+                } else {
+                    stream.one_call();
+                }
+                Ok(())
+            })?;
+            println!(
+                "{{\"types\":\"{name}\",\"caller\":\"{}\",\"rows\":1,\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{mb:.1},\"gb_s\":{:.1}}}",
+                caller.name(),
+                mb / median
+            );
+        }
     }
     drop(stream);
     let sets = [
@@ -151,14 +187,18 @@ fn main() -> candle_core::Result<()> {
                 .iter()
                 .map(|&(_, inp)| Tensor::randn(0f32, 1.0, (rows, inp), &Device::Cpu))
                 .collect::<candle_core::Result<_>>()?;
-            let (median, min) = time(|| step(&tiles, &xs))?;
-            let macs: usize = SHAPES.iter().map(|(o, i)| o * i * rows * LAYERS).sum();
-            println!(
-                "{{\"types\":\"{name}\",\"rows\":{rows},\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{:.1},\"gb_s\":{:.1},\"gmac_s\":{:.1}}}",
-                bytes as f64 / 1e6,
-                bytes as f64 / 1e6 / median,
-                macs as f64 / median / 1e6
-            );
+            {
+                let caller = Caller::Pool;
+                let (median, min) = time(caller, || step(&tiles, &xs))?;
+                let macs: usize = SHAPES.iter().map(|(o, i)| o * i * rows * LAYERS).sum();
+                println!(
+                    "{{\"types\":\"{name}\",\"caller\":\"{}\",\"rows\":{rows},\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{:.1},\"gb_s\":{:.1},\"gmac_s\":{:.1}}}",
+                    caller.name(),
+                    bytes as f64 / 1e6,
+                    bytes as f64 / 1e6 / median,
+                    macs as f64 / median / 1e6
+                );
+            }
         }
     }
     Ok(())
