@@ -42,6 +42,40 @@ impl Tiles {
             return;
         };
         let ones = x._mm256_set1_epi16(1);
+        if R <= 2 {
+            // Few rows (decode): both halves in one pass over the blocks, so each block is
+            // read once and each activation broadcast serves both halves; every lane's sums
+            // run in the same order as in the two passes below, so the bits are the same.
+            let mut facc: [[__m256; R]; 2] = [[x._mm256_setzero_ps(); R]; 2];
+            for (b, blk) in blocks.iter().enumerate() {
+                prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
+                for g in 0..8 {
+                    let w = [half_reg(&blk.qs[g], 0), half_reg(&blk.qs[g], 1)];
+                    let mag = [x2._mm256_abs_epi8(w[0]), x2._mm256_abs_epi8(w[1])];
+                    for r in 0..R {
+                        let a = x._mm256_set1_epi32(acts.q(r, b)[g]);
+                        for h in 0..2 {
+                            let s = x2._mm256_sign_epi8(a, w[h]);
+                            let p = x2._mm256_madd_epi16(x2._mm256_maddubs_epi16(mag[h], s), ones);
+                            acc[h][r] = x2._mm256_add_epi32(acc[h][r], p);
+                        }
+                    }
+                }
+                for h in 0..2 {
+                    let wd: __m256 = bytemuck::cast(f16x8(&d[b][8 * h..8 * h + 8]));
+                    for r in 0..R {
+                        let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                        facc[h][r] =
+                            fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(acc[h][r]), scale, facc[h][r]);
+                    }
+                }
+            }
+            for (h, f) in facc.iter().enumerate() {
+                store_half(out, h, f);
+            }
+            return;
+        }
         for h in 0..2 {
             let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
             for (b, blk) in blocks.iter().enumerate() {
