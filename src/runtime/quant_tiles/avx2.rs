@@ -121,6 +121,68 @@ impl Tiles {
         let ones = x._mm256_set1_epi16(1);
         let low = x._mm256_set1_epi8(0x0F);
         let bit4 = x._mm256_set1_epi8(0x10);
+        if R <= 2 {
+            // Few rows (decode): both halves in one pass over the blocks, as in `q8_avx2`;
+            // each lane's sums in the same order as the two passes below, so the same bits.
+            let mut facc: [[__m256; R]; 2] = [[x._mm256_setzero_ps(); R]; 2];
+            for (b, blk) in blocks.iter().enumerate() {
+                prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+                let mut acc: [[[__m256i; R]; 2]; 2] = [[[x._mm256_setzero_si256(); R]; 2]; 2];
+                let qh = if five {
+                    [half_reg(blk.qh(), 0), half_reg(blk.qh(), 1)]
+                } else {
+                    [x._mm256_setzero_si256(); 2]
+                };
+                for n in 0..4 {
+                    let a = if five { n / 2 } else { 0 };
+                    let mut lo = [x._mm256_setzero_si256(); 2];
+                    let mut hi = [x._mm256_setzero_si256(); 2];
+                    for h in 0..2 {
+                        let w = half_reg(&blk.qs()[n], h);
+                        lo[h] = x2._mm256_and_si256(w, low);
+                        hi[h] = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
+                        if five {
+                            let q = qh[h];
+                            let (hlo, hhi) = match n {
+                                0 => (x2._mm256_slli_epi16::<4>(q), x2._mm256_slli_epi16::<3>(q)),
+                                1 => (x2._mm256_slli_epi16::<2>(q), x2._mm256_slli_epi16::<1>(q)),
+                                2 => (q, x2._mm256_srli_epi16::<1>(q)),
+                                _ => (x2._mm256_srli_epi16::<2>(q), x2._mm256_srli_epi16::<3>(q)),
+                            };
+                            lo[h] = x2._mm256_or_si256(lo[h], x2._mm256_and_si256(hlo, bit4));
+                            hi[h] = x2._mm256_or_si256(hi[h], x2._mm256_and_si256(hhi, bit4));
+                        }
+                    }
+                    for r in 0..R {
+                        let q = acts.q(r, b);
+                        let (alo, ahi) = (x._mm256_set1_epi32(q[n]), x._mm256_set1_epi32(q[n + 4]));
+                        for h in 0..2 {
+                            let plo = x2._mm256_maddubs_epi16(lo[h], alo);
+                            let phi = x2._mm256_maddubs_epi16(hi[h], ahi);
+                            acc[h][a][r] =
+                                x2._mm256_add_epi16(acc[h][a][r], x2._mm256_add_epi16(plo, phi));
+                        }
+                    }
+                }
+                for h in 0..2 {
+                    let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
+                    for r in 0..R {
+                        let mut sum = x2._mm256_madd_epi16(acc[h][0][r], ones);
+                        if five {
+                            sum =
+                                x2._mm256_add_epi32(sum, x2._mm256_madd_epi16(acc[h][1][r], ones));
+                        }
+                        let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
+                        let f = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[h][r]);
+                        facc[h][r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), f);
+                    }
+                }
+            }
+            for (h, f) in facc.iter().enumerate() {
+                store_half(out, h, f);
+            }
+            return;
+        }
         for h in 0..2 {
             let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
             for (b, blk) in blocks.iter().enumerate() {
