@@ -27,7 +27,11 @@ fn store_half<const R: usize>(out: &mut [[f32; TILE]], h: usize, facc: &[__m256;
 
 impl Tiles {
     /// AVX2 Q8_0, by the halves of the tile (see [`super::Isa`]); the weights' signs go onto the
-    /// activations with `sign` (AVX-512: a masked negation), the rest as [`Self::q8`].
+    /// activations with `sign` (AVX-512: a masked negation), the rest as [`Self::q8`]. One or
+    /// two rows (decode) take both halves in one pass over the blocks (each block read once,
+    /// each activation broadcast for both); more rows take one pass per half (their
+    /// accumulators for both halves would not fit the 16 registers). Each lane's sums run in
+    /// the same order either way, so a row gives the same bits batched or alone.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub(super) fn q8_avx2<const R: usize>(
@@ -37,73 +41,71 @@ impl Tiles {
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
+        if R <= 2 {
+            self.q8_avx2_pass::<R, 2>(blocks, d, acts, out, 0);
+        } else {
+            for h in 0..2 {
+                self.q8_avx2_pass::<R, 1>(blocks, d, acts, out, h);
+            }
+        }
+    }
+
+    /// One pass of [`Self::q8_avx2`] over the blocks: halves `h0..h0 + H` of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q8_avx2_pass<const R: usize, const H: usize>(
+        &self,
+        blocks: &[Q8Block],
+        d: &[[u16; TILE]],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+        h0: usize,
+    ) {
         use std::arch::x86_64::__m256i;
         let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
             return;
         };
         let ones = x._mm256_set1_epi16(1);
-        if R <= 2 {
-            // Few rows (decode): both halves in one pass over the blocks, so each block is
-            // read once and each activation broadcast serves both halves; every lane's sums
-            // run in the same order as in the two passes below, so the bits are the same.
-            let mut facc: [[__m256; R]; 2] = [[x._mm256_setzero_ps(); R]; 2];
-            for (b, blk) in blocks.iter().enumerate() {
+        let mut facc: [[__m256; R]; H] = [[x._mm256_setzero_ps(); R]; H];
+        for (b, blk) in blocks.iter().enumerate() {
+            if h0 == 0 {
                 prefetch(sse, blocks, b + PREFETCH_BLOCKS);
-                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
-                for g in 0..8 {
-                    let w = [half_reg(&blk.qs[g], 0), half_reg(&blk.qs[g], 1)];
-                    let mag = [x2._mm256_abs_epi8(w[0]), x2._mm256_abs_epi8(w[1])];
-                    for r in 0..R {
-                        let a = x._mm256_set1_epi32(acts.q(r, b)[g]);
-                        for h in 0..2 {
-                            let s = x2._mm256_sign_epi8(a, w[h]);
-                            let p = x2._mm256_madd_epi16(x2._mm256_maddubs_epi16(mag[h], s), ones);
-                            acc[h][r] = x2._mm256_add_epi32(acc[h][r], p);
-                        }
-                    }
+            }
+            let mut acc: [[__m256i; R]; H] = [[x._mm256_setzero_si256(); R]; H];
+            for g in 0..8 {
+                let mut w = [x._mm256_setzero_si256(); H];
+                let mut mag = [x._mm256_setzero_si256(); H];
+                for k in 0..H {
+                    w[k] = half_reg(&blk.qs[g], h0 + k);
+                    mag[k] = x2._mm256_abs_epi8(w[k]);
                 }
-                for h in 0..2 {
-                    let wd: __m256 = bytemuck::cast(f16x8(&d[b][8 * h..8 * h + 8]));
-                    for r in 0..R {
-                        let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
-                        facc[h][r] =
-                            fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(acc[h][r]), scale, facc[h][r]);
+                for r in 0..R {
+                    let a = x._mm256_set1_epi32(acts.q(r, b)[g]);
+                    for k in 0..H {
+                        let s = x2._mm256_sign_epi8(a, w[k]);
+                        let p = x2._mm256_madd_epi16(x2._mm256_maddubs_epi16(mag[k], s), ones);
+                        acc[k][r] = x2._mm256_add_epi32(acc[k][r], p);
                     }
                 }
             }
-            for (h, f) in facc.iter().enumerate() {
-                store_half(out, h, f);
-            }
-            return;
-        }
-        for h in 0..2 {
-            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
-            for (b, blk) in blocks.iter().enumerate() {
-                if h == 0 {
-                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
-                }
-                let mut acc: [__m256i; R] = [x._mm256_setzero_si256(); R];
-                for g in 0..8 {
-                    let w = half_reg(&blk.qs[g], h);
-                    let mag = x2._mm256_abs_epi8(w);
-                    for r in 0..R {
-                        let a = x2._mm256_sign_epi8(x._mm256_set1_epi32(acts.q(r, b)[g]), w);
-                        let p = x2._mm256_madd_epi16(x2._mm256_maddubs_epi16(mag, a), ones);
-                        acc[r] = x2._mm256_add_epi32(acc[r], p);
-                    }
-                }
+            for k in 0..H {
+                let h = h0 + k;
                 let wd: __m256 = bytemuck::cast(f16x8(&d[b][8 * h..8 * h + 8]));
                 for r in 0..R {
                     let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
-                    facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(acc[r]), scale, facc[r]);
+                    facc[k][r] =
+                        fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(acc[k][r]), scale, facc[k][r]);
                 }
             }
-            store_half(out, h, &facc);
+        }
+        for (k, f) in facc.iter().enumerate() {
+            store_half(out, h0 + k, f);
         }
     }
 
     /// AVX2 nibble weights `d · q + m`, 4- or 5-bit (see [`Self::nibbles`]), by the halves of
-    /// the tile; the 5th bits merged with and/or.
+    /// the tile, the 5th bits merged with and/or; one pass for both halves or one per half, as
+    /// [`Self::q8_avx2`].
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub(super) fn nibbles_avx2<const R: usize>(
@@ -113,6 +115,26 @@ impl Tiles {
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
+        if R <= 2 {
+            self.nibbles_avx2_pass::<R, 2>(blocks, dm, acts, out, 0);
+        } else {
+            for h in 0..2 {
+                self.nibbles_avx2_pass::<R, 1>(blocks, dm, acts, out, h);
+            }
+        }
+    }
+
+    /// One pass of [`Self::nibbles_avx2`] over the blocks: halves `h0..h0 + H` of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn nibbles_avx2_pass<const R: usize, const H: usize>(
+        &self,
+        blocks: &[impl Nibbles],
+        dm: &[impl DmScales],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+        h0: usize,
+    ) {
         use std::arch::x86_64::__m256i;
         let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
             return;
@@ -121,115 +143,67 @@ impl Tiles {
         let ones = x._mm256_set1_epi16(1);
         let low = x._mm256_set1_epi8(0x0F);
         let bit4 = x._mm256_set1_epi8(0x10);
-        if R <= 2 {
-            // Few rows (decode): both halves in one pass over the blocks, as in `q8_avx2`;
-            // each lane's sums in the same order as the two passes below, so the same bits.
-            let mut facc: [[__m256; R]; 2] = [[x._mm256_setzero_ps(); R]; 2];
-            for (b, blk) in blocks.iter().enumerate() {
+        let zero = x._mm256_setzero_si256();
+        let mut facc: [[__m256; R]; H] = [[x._mm256_setzero_ps(); R]; H];
+        for (b, blk) in blocks.iter().enumerate() {
+            if h0 == 0 {
                 prefetch(sse, blocks, b + PREFETCH_BLOCKS);
-                let mut acc: [[[__m256i; R]; 2]; 2] = [[[x._mm256_setzero_si256(); R]; 2]; 2];
-                let qh = if five {
-                    [half_reg(blk.qh(), 0), half_reg(blk.qh(), 1)]
-                } else {
-                    [x._mm256_setzero_si256(); 2]
-                };
-                for n in 0..4 {
-                    let a = if five { n / 2 } else { 0 };
-                    let mut lo = [x._mm256_setzero_si256(); 2];
-                    let mut hi = [x._mm256_setzero_si256(); 2];
-                    for h in 0..2 {
-                        let w = half_reg(&blk.qs()[n], h);
-                        lo[h] = x2._mm256_and_si256(w, low);
-                        hi[h] = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
-                        if five {
-                            let q = qh[h];
-                            let (hlo, hhi) = match n {
-                                0 => (x2._mm256_slli_epi16::<4>(q), x2._mm256_slli_epi16::<3>(q)),
-                                1 => (x2._mm256_slli_epi16::<2>(q), x2._mm256_slli_epi16::<1>(q)),
-                                2 => (q, x2._mm256_srli_epi16::<1>(q)),
-                                _ => (x2._mm256_srli_epi16::<2>(q), x2._mm256_srli_epi16::<3>(q)),
-                            };
-                            lo[h] = x2._mm256_or_si256(lo[h], x2._mm256_and_si256(hlo, bit4));
-                            hi[h] = x2._mm256_or_si256(hi[h], x2._mm256_and_si256(hhi, bit4));
-                        }
-                    }
-                    for r in 0..R {
-                        let q = acts.q(r, b);
-                        let (alo, ahi) = (x._mm256_set1_epi32(q[n]), x._mm256_set1_epi32(q[n + 4]));
-                        for h in 0..2 {
-                            let plo = x2._mm256_maddubs_epi16(lo[h], alo);
-                            let phi = x2._mm256_maddubs_epi16(hi[h], ahi);
-                            acc[h][a][r] =
-                                x2._mm256_add_epi16(acc[h][a][r], x2._mm256_add_epi16(plo, phi));
-                        }
-                    }
-                }
-                for h in 0..2 {
-                    let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
-                    for r in 0..R {
-                        let mut sum = x2._mm256_madd_epi16(acc[h][0][r], ones);
-                        if five {
-                            sum =
-                                x2._mm256_add_epi32(sum, x2._mm256_madd_epi16(acc[h][1][r], ones));
-                        }
-                        let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
-                        let f = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[h][r]);
-                        facc[h][r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), f);
-                    }
-                }
             }
-            for (h, f) in facc.iter().enumerate() {
-                store_half(out, h, f);
-            }
-            return;
-        }
-        for h in 0..2 {
-            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
-            for (b, blk) in blocks.iter().enumerate() {
-                if h == 0 {
-                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
-                }
-                // i16 lanes as in the AVX-512 kernel.
-                let mut acc: [[__m256i; R]; 2] = [[x._mm256_setzero_si256(); R]; 2];
-                let qh = if five {
-                    half_reg(blk.qh(), h)
+            // i16 lanes as in the AVX-512 kernel: acc[half][5-bit pair][row].
+            let mut acc: [[[__m256i; R]; 2]; H] = [[[zero; R]; 2]; H];
+            let qh: [__m256i; H] = std::array::from_fn(|k| {
+                if five {
+                    half_reg(blk.qh(), h0 + k)
                 } else {
-                    x._mm256_setzero_si256()
-                };
-                for n in 0..4 {
-                    let w = half_reg(&blk.qs()[n], h);
-                    let mut lo = x2._mm256_and_si256(w, low);
-                    let mut hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
+                    zero
+                }
+            });
+            for n in 0..4 {
+                let a = if five { n / 2 } else { 0 };
+                let mut lo = [zero; H];
+                let mut hi = [zero; H];
+                for k in 0..H {
+                    let w = half_reg(&blk.qs()[n], h0 + k);
+                    lo[k] = x2._mm256_and_si256(w, low);
+                    hi[k] = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
                     if five {
+                        let q = qh[k];
                         let (hlo, hhi) = match n {
-                            0 => (x2._mm256_slli_epi16::<4>(qh), x2._mm256_slli_epi16::<3>(qh)),
-                            1 => (x2._mm256_slli_epi16::<2>(qh), x2._mm256_slli_epi16::<1>(qh)),
-                            2 => (qh, x2._mm256_srli_epi16::<1>(qh)),
-                            _ => (x2._mm256_srli_epi16::<2>(qh), x2._mm256_srli_epi16::<3>(qh)),
+                            0 => (x2._mm256_slli_epi16::<4>(q), x2._mm256_slli_epi16::<3>(q)),
+                            1 => (x2._mm256_slli_epi16::<2>(q), x2._mm256_slli_epi16::<1>(q)),
+                            2 => (q, x2._mm256_srli_epi16::<1>(q)),
+                            _ => (x2._mm256_srli_epi16::<2>(q), x2._mm256_srli_epi16::<3>(q)),
                         };
-                        lo = x2._mm256_or_si256(lo, x2._mm256_and_si256(hlo, bit4));
-                        hi = x2._mm256_or_si256(hi, x2._mm256_and_si256(hhi, bit4));
-                    }
-                    let a = if five { n / 2 } else { 0 };
-                    for r in 0..R {
-                        let q = acts.q(r, b);
-                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
-                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
-                        acc[a][r] = x2._mm256_add_epi16(acc[a][r], x2._mm256_add_epi16(plo, phi));
+                        lo[k] = x2._mm256_or_si256(lo[k], x2._mm256_and_si256(hlo, bit4));
+                        hi[k] = x2._mm256_or_si256(hi[k], x2._mm256_and_si256(hhi, bit4));
                     }
                 }
-                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h));
                 for r in 0..R {
-                    let mut sum = x2._mm256_madd_epi16(acc[0][r], ones);
+                    let q = acts.q(r, b);
+                    let (alo, ahi) = (x._mm256_set1_epi32(q[n]), x._mm256_set1_epi32(q[n + 4]));
+                    for k in 0..H {
+                        let plo = x2._mm256_maddubs_epi16(lo[k], alo);
+                        let phi = x2._mm256_maddubs_epi16(hi[k], ahi);
+                        acc[k][a][r] =
+                            x2._mm256_add_epi16(acc[k][a][r], x2._mm256_add_epi16(plo, phi));
+                    }
+                }
+            }
+            for k in 0..H {
+                let [wd, wm]: [__m256; 2] = bytemuck::cast(dm[b].half8(h0 + k));
+                for r in 0..R {
+                    let mut sum = x2._mm256_madd_epi16(acc[k][0][r], ones);
                     if five {
-                        sum = x2._mm256_add_epi32(sum, x2._mm256_madd_epi16(acc[1][r], ones));
+                        sum = x2._mm256_add_epi32(sum, x2._mm256_madd_epi16(acc[k][1][r], ones));
                     }
                     let scale = x._mm256_mul_ps(wd, x._mm256_set1_ps(acts.d(r, b)));
-                    facc[r] = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[r]);
-                    facc[r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), facc[r]);
+                    let f = fma._mm256_fmadd_ps(x._mm256_cvtepi32_ps(sum), scale, facc[k][r]);
+                    facc[k][r] = fma._mm256_fmadd_ps(wm, x._mm256_set1_ps(acts.s(r, b)), f);
                 }
             }
-            store_half(out, h, &facc);
+        }
+        for (k, f) in facc.iter().enumerate() {
+            store_half(out, h0 + k, f);
         }
     }
 
