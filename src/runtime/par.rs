@@ -227,18 +227,22 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 mod tests {
     use super::*;
 
+    /// `for_each_index(n, serial, ..)` as `run` calls it: each of the `n` items ran exactly once.
+    fn each_ran_once(n: usize, serial: bool, run: impl FnOnce(&(dyn Fn() + Sync))) -> bool {
+        let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        run(&|| {
+            for_each_index(n, serial, |i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            })
+        });
+        hits.iter().all(|h| h.load(Ordering::Relaxed) == 1)
+    }
+
     #[test]
     fn every_index_runs_once_serial_or_parallel() {
         for serial in [true, false] {
             for n in [0, 1, 2, 7, 100, 1000] {
-                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-                for_each_index(n, serial, |i| {
-                    hits[i].fetch_add(1, Ordering::Relaxed);
-                });
-                assert!(
-                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
-                    "{n} {serial}"
-                );
+                assert!(each_ran_once(n, serial, |f| f()), "{n} {serial}");
             }
         }
     }
@@ -267,14 +271,8 @@ mod tests {
                 .build()
                 .unwrap();
             for n in [2, 3, 5, 16, 17, 1000, 4099] {
-                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-                pool.install(|| {
-                    for_each_index(n, false, |i| {
-                        hits[i].fetch_add(1, Ordering::Relaxed);
-                    })
-                });
                 assert!(
-                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    each_ran_once(n, false, |f| pool.install(f)),
                     "{threads} threads, {n} items"
                 );
             }
