@@ -576,8 +576,8 @@ fn smollm2_gguf_dequantized_for_training_matches_the_inference_path() {
         train.decoder.cfg.parameter_count()
     );
     // The inference form as `envace run` loads it (quantized, the file's permuted q/k with
-    // interleaved RoPE), with f32 prefill copies: the tiles, which prefill with them on AMD
-    // CPUs, round every activation to 8 bits (logits then move by up to ~1), and this test is
+    // interleaved RoPE), with f32 prefill copies: the tiles, which prefill with them on
+    // AVX-512 CPUs, round every activation to 8 bits (logits then move by up to ~1), and this test is
     // about the weights' layout.
     let gemm = GgufOptions {
         prefill: PrefillOn::Gemm,

@@ -534,13 +534,15 @@ enum Simd {
 
 impl Isa {
     /// Whether tiles with these kernels prefill faster than an f32 copy of the weights through
-    /// candle's gemm, on this CPU: the AVX-512 kernels on AMD CPUs. Zen 4 issues a 512-bit FMA
-    /// as two 256-bit halves, so gemm's f32 rate is half an Intel core's, while the tiles'
-    /// `maddubs` does 64 multiply-adds per instruction (`cargo bench --bench prefill_matmul`
-    /// measures both on one layer; docs/PERFORMANCE.md has the figures). Intel's AVX-512
-    /// cores keep the f32 copy: there the tiles were not measured faster.
+    /// candle's gemm, on this CPU: the AVX-512 kernels, whose `maddubs` does 64 multiply-adds
+    /// per instruction. On AMD Zen 4, which issues a 512-bit FMA as two 256-bit halves, gemm's
+    /// f32 rate is half an Intel core's and the tiles win clearly; on an Intel Xeon with AVX-512
+    /// they won end to end too (`envace bench generate`, 9 of 9 alternated pairs), and they need
+    /// no f32 copy. The AVX2 kernels measured level with gemm (AMD Zen 3), so AVX2 CPUs keep
+    /// the copy. `cargo bench --bench prefill_matmul` measures both on one layer;
+    /// docs/PERFORMANCE.md has the figures.
     pub fn prefill_beats_gemm(self) -> bool {
-        self == Isa::Avx512 && cpu_is_amd()
+        self == Isa::Avx512
     }
 }
 
@@ -610,23 +612,6 @@ pub fn available() -> bool {
 /// ([`Tiles::prefill_beats_gemm`] of tiles made by [`Tiles::new`]).
 pub fn prefill_beats_gemm_here() -> bool {
     isas().first().is_some_and(|isa| isa.prefill_beats_gemm())
-}
-
-/// Whether CPUID's vendor string is AMD's.
-fn cpu_is_amd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let id = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        vendor == b"AuthenticAMD"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// Blocks ahead of the one being computed whose cache lines the kernels request (measured on
