@@ -11,6 +11,8 @@
 //! `envace bench generate`; this isolates the kernels, which that run's noise hides.
 //!
 //! The steps run on a pool worker (`caller: "pool"`), as `Decoder::forward` runs a decode step.
+//! The tiles use this CPU's best instruction set; `DECODE_MATMUL_ISA=avx2` runs the AVX2 kernels
+//! on an AVX-512 CPU (each line names its `isa`).
 //!
 //! The `stream` lines give this machine's memory roof in the same run: buffers of the Q8_0
 //! step's bytes (the same 120 products of the same sizes), only summed as 64-bit words, split
@@ -25,13 +27,34 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use envace::runtime::quant_tiles::Tiles;
+use envace::runtime::quant_tiles::{Isa, Tiles, isas};
 
 const LAYERS: usize = 30;
 /// (out, in) of a layer's four products.
 const SHAPES: [(usize, usize); 4] = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
 
-fn layers(types: [GgmlDType; 4]) -> candle_core::Result<(Vec<Tiles>, usize)> {
+/// The kernels' instruction set: `DECODE_MATMUL_ISA` (`avx2` or `avx512`), else the CPU's best.
+fn isa() -> candle_core::Result<Isa> {
+    let err = |m: String| candle_core::Error::Msg(m);
+    let isa = match std::env::var("DECODE_MATMUL_ISA").ok().as_deref() {
+        None => isas().first().copied(),
+        Some("avx2") => Some(Isa::Avx2),
+        Some("avx512") => Some(Isa::Avx512),
+        Some(other) => {
+            return Err(err(format!(
+                "DECODE_MATMUL_ISA={other:?}: expected avx2 or avx512"
+            )));
+        }
+    };
+    match isa {
+        Some(i) if isas().contains(&i) => Ok(i),
+        _ => Err(err(
+            "no tile kernels for that instruction set on this CPU".into()
+        )),
+    }
+}
+
+fn layers(types: [GgmlDType; 4], isa: Isa) -> candle_core::Result<(Vec<Tiles>, usize)> {
     let dev = Device::Cpu;
     let mut tiles = Vec::new();
     let mut bytes = 0;
@@ -41,7 +64,7 @@ fn layers(types: [GgmlDType; 4]) -> candle_core::Result<(Vec<Tiles>, usize)> {
             let qt = QTensor::quantize(&w, dtype)?;
             bytes += qt.storage_size_in_bytes();
             let none = || candle_core::Error::Msg("no tile kernels on this CPU".into());
-            tiles.push(Tiles::new(&qt)?.ok_or_else(none)?);
+            tiles.push(Tiles::with_isa(&qt, isa)?.ok_or_else(none)?);
         }
     }
     Ok((tiles, bytes))
@@ -174,6 +197,7 @@ fn main() -> candle_core::Result<()> {
         }
     }
     drop(stream);
+    let isa = isa()?;
     let sets = [
         ("q8_0", [Q8_0, Q8_0, Q8_0, Q8_0]),
         ("q5_0+q6_k", [Q5_0, Q5_0, Q5_0, Q6K]),
@@ -181,7 +205,7 @@ fn main() -> candle_core::Result<()> {
         ("q4_1", [Q4_1, Q4_1, Q4_1, Q4_1]),
     ];
     for (name, types) in sets {
-        let (tiles, bytes) = layers(types)?;
+        let (tiles, bytes) = layers(types, isa)?;
         for rows in [1, 8] {
             let xs: Vec<Tensor> = SHAPES
                 .iter()
@@ -192,7 +216,7 @@ fn main() -> candle_core::Result<()> {
                 let (median, min) = time(caller, || step(&tiles, &xs))?;
                 let macs: usize = SHAPES.iter().map(|(o, i)| o * i * rows * LAYERS).sum();
                 println!(
-                    "{{\"types\":\"{name}\",\"caller\":\"{}\",\"rows\":{rows},\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{:.1},\"gb_s\":{:.1},\"gmac_s\":{:.1}}}",
+                    "{{\"types\":\"{name}\",\"isa\":\"{isa:?}\",\"caller\":\"{}\",\"rows\":{rows},\"ms_per_step_median\":{median:.3},\"ms_per_step_min\":{min:.3},\"file_mb\":{:.1},\"gb_s\":{:.1},\"gmac_s\":{:.1}}}",
                     caller.name(),
                     bytes as f64 / 1e6,
                     bytes as f64 / 1e6 / median,

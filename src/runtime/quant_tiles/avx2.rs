@@ -208,7 +208,10 @@ impl Tiles {
     }
 
     /// AVX2 Q6_K in the 6-bit layout (see [`Self::q6k`]), by the halves of the tile; the top
-    /// bits merged with and/or.
+    /// bits merged with and/or. One row (decode) takes both halves in one pass over the blocks,
+    /// as [`Self::q8_avx2`]; more rows take one pass per half (a half's accumulators are four
+    /// registers per row here, lows and highs apart, so two halves of two rows would fill all
+    /// sixteen). Each lane's sums run in the same order either way.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub(super) fn q6k_avx2<const R: usize>(
@@ -218,6 +221,26 @@ impl Tiles {
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
+        if R == 1 {
+            self.q6k_avx2_pass::<R, 2>(blocks, d, acts, out, 0);
+        } else {
+            for h in 0..2 {
+                self.q6k_avx2_pass::<R, 1>(blocks, d, acts, out, h);
+            }
+        }
+    }
+
+    /// One pass of [`Self::q6k_avx2`] over the blocks: halves `h0..h0 + H` of the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn q6k_avx2_pass<const R: usize, const H: usize>(
+        &self,
+        blocks: &[Q6Block],
+        d: &[Q6Scales],
+        acts: ActRows<'_>,
+        out: &mut [[f32; TILE]],
+        h0: usize,
+    ) {
         use std::arch::x86_64::{__m128i, __m256i};
         let Simd::Avx2 { x, x2, fma, sse } = self.simd else {
             return;
@@ -225,35 +248,48 @@ impl Tiles {
         let ones = x._mm256_set1_epi16(1);
         let low = x._mm256_set1_epi8(0x0F);
         let top = x._mm256_set1_epi8(0x30);
-        for h in 0..2 {
-            let mut facc: [__m256; R] = [x._mm256_setzero_ps(); R];
-            for (b, blk) in blocks.iter().enumerate() {
-                if h == 0 {
-                    prefetch(sse, blocks, b + PREFETCH_BLOCKS);
-                }
-                // i16 lanes as in the AVX-512 kernel.
-                let mut acc: [[[__m256i; R]; 2]; 2] = [[[x._mm256_setzero_si256(); R]; 2]; 2];
-                for n in 0..4 {
-                    let w = half_reg(&blk.qs[n], h);
-                    let qh = half_reg(&blk.qh[n / 2], h);
+        let zero = x._mm256_setzero_si256();
+        let mut facc: [[__m256; R]; H] = [[x._mm256_setzero_ps(); R]; H];
+        for (b, blk) in blocks.iter().enumerate() {
+            if h0 == 0 {
+                prefetch(sse, blocks, b + PREFETCH_BLOCKS);
+            }
+            // i16 lanes as in the AVX-512 kernel: acc[half][low/high nibble][n / 2][row].
+            let mut acc: [[[[__m256i; R]; 2]; 2]; H] = [[[[zero; R]; 2]; 2]; H];
+            for n in 0..4 {
+                let mut lo = [zero; H];
+                let mut hi = [zero; H];
+                for k in 0..H {
+                    let w = half_reg(&blk.qs[n], h0 + k);
+                    let qh = half_reg(&blk.qh[n / 2], h0 + k);
                     let (tlo, thi) = if n % 2 == 0 {
                         (x2._mm256_slli_epi16::<4>(qh), x2._mm256_slli_epi16::<2>(qh))
                     } else {
                         (qh, x2._mm256_srli_epi16::<2>(qh))
                     };
-                    let lo = x2._mm256_and_si256(w, low);
-                    let hi = x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low);
-                    let lo = x2._mm256_or_si256(lo, x2._mm256_and_si256(tlo, top));
-                    let hi = x2._mm256_or_si256(hi, x2._mm256_and_si256(thi, top));
-                    for r in 0..R {
-                        let q = acts.q(r, b);
-                        let plo = x2._mm256_maddubs_epi16(lo, x._mm256_set1_epi32(q[n]));
-                        let phi = x2._mm256_maddubs_epi16(hi, x._mm256_set1_epi32(q[n + 4]));
-                        acc[0][n / 2][r] = x2._mm256_add_epi16(acc[0][n / 2][r], plo);
-                        acc[1][n / 2][r] = x2._mm256_add_epi16(acc[1][n / 2][r], phi);
+                    lo[k] = x2._mm256_or_si256(
+                        x2._mm256_and_si256(w, low),
+                        x2._mm256_and_si256(tlo, top),
+                    );
+                    hi[k] = x2._mm256_or_si256(
+                        x2._mm256_and_si256(x2._mm256_srli_epi16::<4>(w), low),
+                        x2._mm256_and_si256(thi, top),
+                    );
+                }
+                for r in 0..R {
+                    let q = acts.q(r, b);
+                    let (alo, ahi) = (x._mm256_set1_epi32(q[n]), x._mm256_set1_epi32(q[n + 4]));
+                    for k in 0..H {
+                        let plo = x2._mm256_maddubs_epi16(lo[k], alo);
+                        let phi = x2._mm256_maddubs_epi16(hi[k], ahi);
+                        acc[k][0][n / 2][r] = x2._mm256_add_epi16(acc[k][0][n / 2][r], plo);
+                        acc[k][1][n / 2][r] = x2._mm256_add_epi16(acc[k][1][n / 2][r], phi);
                     }
                 }
-                let s = &d[b];
+            }
+            let s = &d[b];
+            for k in 0..H {
+                let h = h0 + k;
                 let wd: __m256 = bytemuck::cast(f16x8(&s.d[8 * h..8 * h + 8]));
                 let sc = |at: usize| {
                     let mut v = [0i8; TILE];
@@ -272,13 +308,15 @@ impl Tiles {
                         );
                         x._mm256_cvtepi32_ps(x2._mm256_sub_epi32(sum, x._mm256_set1_epi32(off)))
                     };
-                    let lo = half([acc[0][0][r], acc[0][1][r]], hlo);
-                    let hi = half([acc[1][0][r], acc[1][1][r]], hhi);
-                    facc[r] = fma._mm256_fmadd_ps(lo, x._mm256_mul_ps(dlo, da), facc[r]);
-                    facc[r] = fma._mm256_fmadd_ps(hi, x._mm256_mul_ps(dhi, da), facc[r]);
+                    let lo = half([acc[k][0][0][r], acc[k][0][1][r]], hlo);
+                    let hi = half([acc[k][1][0][r], acc[k][1][1][r]], hhi);
+                    facc[k][r] = fma._mm256_fmadd_ps(lo, x._mm256_mul_ps(dlo, da), facc[k][r]);
+                    facc[k][r] = fma._mm256_fmadd_ps(hi, x._mm256_mul_ps(dhi, da), facc[k][r]);
                 }
             }
-            store_half(out, h, &facc);
+        }
+        for (k, f) in facc.iter().enumerate() {
+            store_half(out, h0 + k, f);
         }
     }
 
