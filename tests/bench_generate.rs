@@ -54,6 +54,10 @@ fn bench_generate_runs_at_short_prompts() {
         ] {
             assert!(v[k].as_f64().unwrap() > 0.0, "{prompt}: {k} in {v}");
         }
+        // The process's peak memory: at least the bundled model's 18 MB of f32 weights.
+        if cfg!(target_os = "linux") {
+            assert!(v["peak_rss_mb"].as_f64().unwrap() > 18.0, "{prompt}: {v}");
+        }
         let at = v["decode_tok_s_at"].as_object().unwrap();
         assert_eq!(at.keys().collect::<Vec<_>>(), ["0", "7"], "{v}");
         assert!(at.values().all(|x| x.as_f64().unwrap() > 0.0), "{v}");

@@ -51,6 +51,17 @@ pub struct GenerateBench {
     /// `decode_tok_s_contended / decode_tok_s`.
     pub contended_ratio: Option<f64>,
     pub runs: usize,
+    /// Peak resident memory of this process (MiB, Linux) when the timings above are done: the
+    /// model as loaded (an f32 prefill copy included) and the largest caches and activations.
+    pub peak_rss_mb: Option<f64>,
+}
+
+/// Peak resident memory of this process (MiB) on Linux: `VmHWM` of `/proc/self/status`.
+pub fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
 }
 
 /// `decode_tok_s` alone: `runs` times a `prompt_tokens` prefill (not timed), then `new_tokens`
@@ -238,5 +249,6 @@ pub fn run(
         decode_tok_s_contended: None,
         contended_ratio: None,
         runs: runs.max(1),
+        peak_rss_mb: peak_rss_mb(),
     })
 }

@@ -98,13 +98,7 @@ pub fn shape(name: &str) -> Option<DecoderConfig> {
     }
 }
 
-/// Peak resident memory (MiB) on Linux.
-pub fn peak_rss_mb() -> Option<f64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
-}
+pub use crate::runtime::bench::peak_rss_mb;
 
 /// The model to benchmark: a directory (full, or fresh LoRA adapters of rank `lora`) or a named
 /// shape with seeded weights (LoRA on a shape goes through a temporary checkpoint).
