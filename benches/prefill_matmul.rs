@@ -4,7 +4,7 @@
 //! - `f32_gemm`: candle's gemm against an f32 copy of the weights (prefill on AVX2 CPUs, and
 //!   wherever `ENVACE_PREFILL=gemm`);
 //! - `tiles`: the decode kernels' tiles ([`Tiles::matmul`]: blocks of rows, each running every
-//!   tile in passes of 4 rows; prefill on CPUs with AVX-512).
+//!   tile in passes of 4 or 8 rows; prefill on CPUs with AVX-512).
 //!
 //! Weight types: `q8_0` (every projection Q8_0, as in a Q8_0 file), `q5_0+q6_k` (Q5_0 with a
 //! Q6_K down projection, as most layers of SmolLM2's Q4_K_M file hold them) and `q4_1`.
