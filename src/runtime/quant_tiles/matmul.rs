@@ -207,8 +207,8 @@ impl Tiles {
 /// (their accumulators fit the 32 registers): a tile's blocks are then read and unpacked once
 /// for a decode step's eight branches, not twice, and a prefill block's passes halve. Measured
 /// on an Intel Xeon (docs/PERFORMANCE.md, `decode_matmul`): Q8_0's 8-row step and prefill ~15%
-/// faster. The Q6_K kernel at 8 rows (four accumulators per row) was slower; the 5-bit ones
-/// (two per row) were not measured apart; the AVX2 kernels have 16 registers: 4 rows.
+/// faster. The Q6_K kernel (four accumulators per row) and the 5-bit ones (two) were slower at
+/// 8 rows; the AVX2 kernels have 16 registers: 4 rows.
 fn pass_rows(simd: Simd, kind: &Kind) -> usize {
     match (simd, kind) {
         (Simd::Avx512 { .. }, Kind::Q8 { .. } | Kind::Q4 { .. } | Kind::Q4K { .. }) => 8,
