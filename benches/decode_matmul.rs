@@ -36,7 +36,8 @@ const SHAPES: [(usize, usize); 4] = [(960, 576), (576, 576), (3072, 576), (576, 
 /// The kernels' instruction set: `DECODE_MATMUL_ISA` (`avx2` or `avx512`), else the CPU's best.
 fn isa() -> candle_core::Result<Isa> {
     let err = |m: String| candle_core::Error::Msg(m);
-    let isa = match std::env::var("DECODE_MATMUL_ISA").ok().as_deref() {
+    let asked = std::env::var("DECODE_MATMUL_ISA").ok();
+    let isa = match asked.as_deref() {
         None => isas().first().copied(),
         Some("avx2") => Some(Isa::Avx2),
         Some("avx512") => Some(Isa::Avx512),
@@ -48,9 +49,11 @@ fn isa() -> candle_core::Result<Isa> {
     };
     match isa {
         Some(i) if isas().contains(&i) => Ok(i),
-        _ => Err(err(
-            "no tile kernels for that instruction set on this CPU".into()
-        )),
+        _ if asked.is_some() => Err(err(format!(
+            "DECODE_MATMUL_ISA={:?}: this CPU (or build) has no tile kernels for it",
+            asked.unwrap_or_default()
+        ))),
+        _ => Err(err("no tile kernels on this CPU (or build)".into())),
     }
 }
 
@@ -177,6 +180,7 @@ fn time(
 
 fn main() -> candle_core::Result<()> {
     use GgmlDType::*;
+    let isa = isa()?;
     let stream = Stream::q8_0_step();
     let mb = stream.bytes() as f64 / 1e6;
     for (name, how) in [("stream_per_product", true), ("stream_one_call", false)] {
@@ -197,7 +201,6 @@ fn main() -> candle_core::Result<()> {
         }
     }
     drop(stream);
-    let isa = isa()?;
     let sets = [
         ("q8_0", [Q8_0, Q8_0, Q8_0, Q8_0]),
         ("q5_0+q6_k", [Q5_0, Q5_0, Q5_0, Q6K]),

@@ -18,6 +18,7 @@ use super::TrainError;
 use super::lora::LoraConfig;
 use super::model::{Example, TrainableModel, masked_nll};
 use super::optim::{AdamW, AdamWConfig};
+use crate::runtime::bench::peak_rss_mb;
 use crate::runtime::config::{DecoderConfig, Family};
 use crate::runtime::fused::Kernels;
 
@@ -97,8 +98,6 @@ pub fn shape(name: &str) -> Option<DecoderConfig> {
         _ => None,
     }
 }
-
-pub use crate::runtime::bench::peak_rss_mb;
 
 /// The model to benchmark: a directory (full, or fresh LoRA adapters of rank `lora`) or a named
 /// shape with seeded weights (LoRA on a shape goes through a temporary checkpoint).

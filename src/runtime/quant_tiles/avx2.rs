@@ -25,6 +25,21 @@ fn store_half<const R: usize>(out: &mut [[f32; TILE]], h: usize, facc: &[__m256;
     }
 }
 
+/// A kernel's rows over both 8-row halves of the tile: one pass of `$pass` taking both halves
+/// when `$both` (few rows: each block read once, each activation broadcast once), else one
+/// pass per half (more rows' accumulators for both halves would not fit the 16 registers).
+macro_rules! by_halves {
+    ($self:ident . $pass:ident :: <$r:ident>, $both:expr, ($($arg:expr),*)) => {
+        if $both {
+            $self.$pass::<$r, 2>($($arg,)* 0);
+        } else {
+            for h in 0..2 {
+                $self.$pass::<$r, 1>($($arg,)* h);
+            }
+        }
+    };
+}
+
 impl Tiles {
     /// AVX2 Q8_0, by the halves of the tile (see [`super::Isa`]); the weights' signs go onto the
     /// activations with `sign` (AVX-512: a masked negation), the rest as [`Self::q8`]. One or
@@ -41,13 +56,7 @@ impl Tiles {
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
-        if R <= 2 {
-            self.q8_avx2_pass::<R, 2>(blocks, d, acts, out, 0);
-        } else {
-            for h in 0..2 {
-                self.q8_avx2_pass::<R, 1>(blocks, d, acts, out, h);
-            }
-        }
+        by_halves!(self.q8_avx2_pass::<R>, R <= 2, (blocks, d, acts, out));
     }
 
     /// One pass of [`Self::q8_avx2`] over the blocks: halves `h0..h0 + H` of the tile.
@@ -115,13 +124,7 @@ impl Tiles {
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
-        if R <= 2 {
-            self.nibbles_avx2_pass::<R, 2>(blocks, dm, acts, out, 0);
-        } else {
-            for h in 0..2 {
-                self.nibbles_avx2_pass::<R, 1>(blocks, dm, acts, out, h);
-            }
-        }
+        by_halves!(self.nibbles_avx2_pass::<R>, R <= 2, (blocks, dm, acts, out));
     }
 
     /// One pass of [`Self::nibbles_avx2`] over the blocks: halves `h0..h0 + H` of the tile.
@@ -221,13 +224,7 @@ impl Tiles {
         acts: ActRows<'_>,
         out: &mut [[f32; TILE]],
     ) {
-        if R == 1 {
-            self.q6k_avx2_pass::<R, 2>(blocks, d, acts, out, 0);
-        } else {
-            for h in 0..2 {
-                self.q6k_avx2_pass::<R, 1>(blocks, d, acts, out, h);
-            }
-        }
+        by_halves!(self.q6k_avx2_pass::<R>, R == 1, (blocks, d, acts, out));
     }
 
     /// One pass of [`Self::q6k_avx2`] over the blocks: halves `h0..h0 + H` of the tile.
