@@ -74,6 +74,19 @@ fn run_all() -> candle_core::Result<()> {
     ];
     let scale = 1.0 / (HEAD_DIM as f32).sqrt();
     let threads = candle_core::utils::get_num_threads();
+    // `DECODE_ATTENTION_SHAPE=rows,prefix,own` runs that shape alone.
+    let only: Option<Vec<usize>> = std::env::var("DECODE_ATTENTION_SHAPE")
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect());
+    let shapes: Vec<(usize, usize, usize)> = match only.as_deref() {
+        Some(&[rows, prefix, own]) => vec![(rows, prefix, own)],
+        Some(_) => {
+            return Err(candle_core::Error::Msg(
+                "DECODE_ATTENTION_SHAPE: expected rows,prefix,own".into(),
+            ));
+        }
+        None => shapes.to_vec(),
+    };
     for (rows, prefix, own) in shapes {
         let layers = (0..LAYERS)
             .map(|_| layer(rows, prefix, own))

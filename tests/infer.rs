@@ -22,7 +22,22 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn fixture_decoder(family: Family) -> Decoder {
-    let cfg = tiny_config(family);
+    decoder_of(tiny_config(family))
+}
+
+/// SmolLM2-135M's attention shape (9 query heads over 3 KV heads of width 64) on two small
+/// layers: eight branches then fill whole 16-lane groups, and the AVX-512 loops run where the
+/// CPU has them.
+fn smollm2_shaped_decoder() -> Decoder {
+    let mut cfg = tiny_config(Family::Llama);
+    cfg.num_attention_heads = 9;
+    cfg.num_key_value_heads = 3;
+    cfg.head_dim = 64;
+    cfg.hidden_size = 576;
+    decoder_of(cfg)
+}
+
+fn decoder_of(cfg: envace::runtime::config::DecoderConfig) -> Decoder {
     let tensors = random_weights(&cfg, 5, 0.2)
         .unwrap()
         .into_iter()
@@ -170,8 +185,12 @@ fn decode_rows(dec: &Decoder, cache: &mut KvCache, steps: &[Vec<u32>]) -> Vec<Ve
 #[test]
 fn forked_branches_share_the_prefix_and_decode_exactly_like_the_row_alone() {
     let _serial = serial();
-    for family in [Family::Llama, Family::Qwen3] {
-        let dec = fixture_decoder(family);
+    let decoders = [
+        ("llama", fixture_decoder(Family::Llama)),
+        ("qwen3", fixture_decoder(Family::Qwen3)),
+        ("smollm2-shaped", smollm2_shaped_decoder()),
+    ];
+    for (family, dec) in decoders {
         let vocab = dec.cfg.vocab_size as u32;
         let prompt: Vec<u32> = (0..33u32).map(|i| (i * 29 + 7) % vocab).collect();
         let ids = Tensor::from_vec(prompt.clone(), (1, prompt.len()), &Device::Cpu).unwrap();

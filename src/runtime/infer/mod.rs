@@ -40,8 +40,12 @@ fn view_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<(&'a [f32], [us
         _ => candle_core::bail!("decode attention runs on the CPU only"),
     };
     let st = layout.stride();
-    if st.len() != 4 || st[3] != 1 {
-        candle_core::bail!("decode attention needs a (b, h, s, d) view with contiguous rows");
+    if st.len() != 4 || st[3] != 1 || st[2] != layout.dims()[3] {
+        candle_core::bail!(
+            "decode attention needs a (b, h, s, d) view whose positions are contiguous, got \
+             strides {st:?} for {:?}",
+            layout.dims()
+        );
     }
     Ok((data, [st[0], st[1], st[2]], layout.start_offset()))
 }
@@ -195,6 +199,13 @@ struct View<'a> {
 }
 
 impl View<'_> {
+    /// Positions `0..n` of (row, kv head), `n · hd` values in a row ([`view_f32`] checked that
+    /// a position's values follow the previous one's).
+    fn run(&self, r: usize, h: usize, n: usize, hd: usize) -> &[f32] {
+        let a = self.off + r * self.st[0] + h * self.st[1];
+        &self.data[a..a + n * hd]
+    }
+
     /// Key or value vector of (row, kv head, position).
     #[inline(always)]
     fn at(&self, r: usize, h: usize, j: usize, hd: usize) -> &[f32] {
@@ -211,8 +222,33 @@ const PREFIX_LANES: usize = 16;
 /// chain over `d` in order (so a lane's score does not depend on which other heads share its
 /// group, nor on `G`). Eight keys at a time keep eight chains per group in flight; two groups
 /// at once broadcast each key value once for 16 lanes.
+///
+/// `keys`: `n` keys of `hd` values each, one after the other (a cache view's positions of one
+/// row and KV head). The common head widths are compile-time constants here, so that the eight
+/// keys' loads are one base address plus constant offsets (with a run-time width, address
+/// arithmetic took as many instructions as the FMAs).
+fn score_lanes<const G: usize>(
+    qt: &[f32],
+    hp: usize,
+    lg: usize,
+    hd: usize,
+    keys: &[f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let n = keys.len() / hd.max(1);
+    match hd {
+        64 => score_lanes_hd::<G>(qt, hp, lg, 64, n, |j| &keys[j * 64..][..64], scale, out),
+        128 => score_lanes_hd::<G>(qt, hp, lg, 128, n, |j| &keys[j * 128..][..128], scale, out),
+        32 => score_lanes_hd::<G>(qt, hp, lg, 32, n, |j| &keys[j * 32..][..32], scale, out),
+        _ => score_lanes_hd::<G>(qt, hp, lg, hd, n, |j| &keys[j * hd..][..hd], scale, out),
+    }
+}
+
+/// [`score_lanes`] for keys given one at a time.
 #[allow(clippy::too_many_arguments)]
-fn score_lanes<'k, const G: usize>(
+#[inline(always)]
+fn score_lanes_hd<'k, const G: usize>(
     qt: &[f32],
     hp: usize,
     lg: usize,
@@ -369,6 +405,10 @@ fn weigh_values<'v>(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod lanes16;
+
 /// Attention for one query position per row.
 ///
 /// `q`: (b, nh, 1, hd) after RoPE; `prefix`: optional keys/values (1, nkv, P, hd) of positions
@@ -463,7 +503,7 @@ pub fn attend_one(
         let results: Vec<Mutex<Vec<f32>>> =
             (0..nkv * blocks).map(|_| Mutex::new(Vec::new())).collect();
         let item = |i: usize| {
-            let (blk, kh) = (i / nkv, i % nkv);
+            let (blk, kh) = (i % blocks, i / blocks);
             let r0 = blk * rpi;
             let r1 = (r0 + rpi).min(b);
             let heads = (r1 - r0) * groups;
@@ -479,14 +519,17 @@ pub fn attend_one(
             }
             let mut sc = vec![0f32; total * hp];
             if let Some((pk, _)) = &pviews {
-                let key = |j| pk.at(0, kh, j, hd);
+                let keys = pk.run(0, kh, np, hd);
                 let mut lg = 0;
+                if lanes16::score_lanes(&qt, hp, hd, keys, scale, &mut sc) {
+                    lg = hp / LANES;
+                }
                 while lg < hp / LANES {
                     if lg + 2 <= hp / LANES {
-                        score_lanes::<2>(&qt, hp, lg, hd, np, key, scale, &mut sc);
+                        score_lanes::<2>(&qt, hp, lg, hd, keys, scale, &mut sc);
                         lg += 2;
                     } else {
-                        score_lanes::<1>(&qt, hp, lg, hd, np, key, scale, &mut sc);
+                        score_lanes::<1>(&qt, hp, lg, hd, keys, scale, &mut sc);
                         lg += 1;
                     }
                 }
@@ -496,15 +539,15 @@ pub fn attend_one(
             if r1 - r0 == 1 {
                 let own = &mut sc[np * hp..];
                 for lg in 0..hp / LANES {
-                    score_lanes::<1>(&qt, hp, lg, hd, s, |j| own_k.at(r0, kh, j, hd), scale, own);
+                    score_lanes::<1>(&qt, hp, lg, hd, own_k.run(r0, kh, s, hd), scale, own);
                 }
             } else {
                 let mut tmp = vec![0f32; s * hp];
                 for r in r0..r1 {
                     let (h0, h1) = ((r - r0) * groups, (r - r0 + 1) * groups);
                     for lg in h0 / LANES..h1.div_ceil(LANES) {
-                        let key = |j| own_k.at(r, kh, j, hd);
-                        score_lanes::<1>(&qt, hp, lg, hd, s, key, scale, &mut tmp);
+                        let keys = own_k.run(r, kh, s, hd);
+                        score_lanes::<1>(&qt, hp, lg, hd, keys, scale, &mut tmp);
                     }
                     for j in 0..s {
                         sc[(np + j) * hp + h0..(np + j) * hp + h1]
@@ -525,13 +568,11 @@ pub fn attend_one(
             let mut acc = vec![0f32; heads * hd];
             if let Some((_, pv)) = &pviews {
                 let sc = &sc;
-                weigh_values(
-                    &mut acc,
-                    hd,
-                    np,
-                    |j, h| sc[j * hp + h],
-                    |j| pv.at(0, kh, j, hd),
-                );
+                let p = |j: usize, h: usize| sc[j * hp + h];
+                let val = |j| pv.at(0, kh, j, hd);
+                if !lanes16::weigh_values(&mut acc, hd, pv.run(0, kh, np, hd), sc, hp) {
+                    weigh_values(&mut acc, hd, np, p, val);
+                }
             }
             for (rr, a) in acc.chunks_exact_mut(groups * hd).enumerate() {
                 let (r, h0, sc) = (r0 + rr, rr * groups, &sc);
@@ -550,7 +591,7 @@ pub fn attend_one(
         let n_items = nkv * blocks;
         crate::runtime::par::for_each_index(n_items, b * nh * total * hd < PARALLEL_MIN_WORK, item);
         for (i, res) in results.into_iter().enumerate() {
-            let (blk, kh) = (i / nkv, i % nkv);
+            let (blk, kh) = (i % blocks, i / blocks);
             let r0 = blk * rpi;
             let acc = res.into_inner().map_err(|_| {
                 candle_core::Error::Msg("decode attention: a worker panicked".into())
