@@ -15,15 +15,7 @@ use std::arch::x86_64::__m512;
 
 use pulp::core_arch::x86::Avx512f;
 
-/// Ask for the cache lines of `xs`.
-#[inline(always)]
-fn prefetch(xs: &[f32]) {
-    if let Some(sse) = pulp::core_arch::x86::Sse::try_new() {
-        for c in xs.chunks(16) {
-            sse._mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(c.as_ptr().cast());
-        }
-    }
-}
+use super::prefetch;
 
 /// Lanes per register.
 pub(super) const W: usize = 16;

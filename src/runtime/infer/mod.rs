@@ -65,6 +65,20 @@ fn fmadd(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// Ask for the cache lines of `xs` (keys or values a loop reads next: a decode step's keys and
+/// values come from memory, and short runs of them do not wake the hardware prefetcher).
+#[inline(always)]
+fn prefetch(xs: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(sse) = pulp::core_arch::x86::Sse::try_new() {
+        for c in xs.chunks(16) {
+            sse._mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(c.as_ptr().cast());
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = xs;
+}
+
 /// Lane width of the accumulators (one AVX register of f32).
 const LANES: usize = 8;
 
@@ -264,6 +278,11 @@ fn score_lanes_hd<'k, const G: usize>(
     let ql = |d: usize, g: usize| f32x8::from(qc[d * groups + lg + g]);
     let mut j = 0;
     while j + KB <= n {
+        if j + 3 * KB <= n {
+            for u in 0..KB {
+                prefetch(&key(j + 2 * KB + u)[..hd]);
+            }
+        }
         let ks: [&[f32]; KB] = std::array::from_fn(|u| &key(j + u)[..hd]);
         let mut acc = [[f32x8::ZERO; G]; KB];
         for d in 0..hd {
@@ -346,6 +365,9 @@ fn weigh_values_c<'v, const C: usize, const U: usize>(
     let mut a: [[f32x8; C]; U] =
         std::array::from_fn(|u| std::array::from_fn(|c| f32x8::from(ac[u * C + c])));
     for j in 0..n {
+        if j + 8 < n {
+            prefetch(val(j + 8));
+        }
         let (vc, _) = val(j).as_chunks::<LANES>();
         let vs: [f32x8; C] = std::array::from_fn(|c| f32x8::from(vc[c]));
         for u in 0..U {
