@@ -40,11 +40,13 @@ fn view_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<(&'a [f32], [us
         _ => candle_core::bail!("decode attention runs on the CPU only"),
     };
     let st = layout.stride();
-    if st.len() != 4 || st[3] != 1 || st[2] != layout.dims()[3] {
+    let dims = layout.dims();
+    // A position's values must follow the previous one's ([`View::run`]); one position (a
+    // one-token prompt's keys, a view of the projection) has no previous one.
+    if st.len() != 4 || dims.len() != 4 || st[3] != 1 || (dims[2] > 1 && st[2] != dims[3]) {
         candle_core::bail!(
             "decode attention needs a (b, h, s, d) view whose positions are contiguous, got \
-             strides {st:?} for {:?}",
-            layout.dims()
+             strides {st:?} for {dims:?}"
         );
     }
     Ok((data, [st[0], st[1], st[2]], layout.start_offset()))
