@@ -32,8 +32,8 @@ type Result<T> = candle_core::Result<T>;
 /// Key-padding score, the same value as the decoder's mask.
 const PAD_SCORE: f32 = -1e9;
 
-/// The f32 data and (batch, head, position) strides plus offset of a cache view whose last
-/// dimension is contiguous.
+/// The f32 data and (batch, head, position) strides plus offset of a cache view whose
+/// positions are laid out one after the other (a (row, head)'s keys are one run of memory).
 fn view_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<(&'a [f32], [usize; 3], usize)> {
     let data = match storage {
         Storage::Cpu(s) => s.as_slice::<f32>()?,
