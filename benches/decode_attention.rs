@@ -12,7 +12,8 @@
 //! - eight rows of 576 own positions each (a `decode_tok_s_b8`-like batch, no prefix).
 //!
 //! Prints one JSON object per shape: milliseconds per 30-layer step, median and min of 7 rounds
-//! of 20 steps after one warm-up round. `RAYON_NUM_THREADS=1` measures one core.
+//! of 20 steps after one warm-up round. `RAYON_NUM_THREADS=1` measures one core;
+//! `DECODE_ATTENTION_SHAPE=rows,prefix,own` runs that one shape (any sizes) instead.
 
 use std::time::Instant;
 
