@@ -45,22 +45,9 @@ pub(super) fn score_lanes(
     out: &mut [f32],
 ) {
     let n = keys.len() / hd.max(1);
-    match hd {
-        64 => score_lanes_hd(f, qt, hp, lg, 64, n, |j| &keys[j * 64..][..64], scale, out),
-        128 => score_lanes_hd(
-            f,
-            qt,
-            hp,
-            lg,
-            128,
-            n,
-            |j| &keys[j * 128..][..128],
-            scale,
-            out,
-        ),
-        32 => score_lanes_hd(f, qt, hp, lg, 32, n, |j| &keys[j * 32..][..32], scale, out),
-        _ => score_lanes_hd(f, qt, hp, lg, hd, n, |j| &keys[j * hd..][..hd], scale, out),
-    }
+    with_head_width!(hd, w => {
+        score_lanes_hd(f, qt, hp, lg, w, n, |j| &keys[j * w..][..w], scale, out)
+    })
 }
 
 /// [`score_lanes`] for keys given one at a time.

@@ -81,6 +81,31 @@ fn prefetch(xs: &[f32]) {
     let _ = xs;
 }
 
+/// `$body` with `$w` bound to the head width `$hd`, a compile-time constant for the common
+/// widths (64, 128, 32) so that a loop over a run of keys addresses them as one base plus
+/// constant offsets (with a run-time width, address arithmetic took as many instructions as
+/// the FMAs); other widths run the same body with the run-time value. For `#[inline(always)]`
+/// bodies: the constant only helps where it reaches the loop.
+macro_rules! with_head_width {
+    ($hd:expr, $w:ident => $body:expr) => {
+        match $hd {
+            64 => {
+                let $w: usize = 64;
+                $body
+            }
+            128 => {
+                let $w: usize = 128;
+                $body
+            }
+            32 => {
+                let $w: usize = 32;
+                $body
+            }
+            $w => $body,
+        }
+    };
+}
+
 /// Lane width of the accumulators (one AVX register of f32).
 const LANES: usize = 8;
 
@@ -240,9 +265,7 @@ const PREFIX_LANES: usize = 16;
 /// at once broadcast each key value once for 16 lanes.
 ///
 /// `keys`: `n` keys of `hd` values each, one after the other (a cache view's positions of one
-/// row and KV head). The common head widths are compile-time constants here, so that the eight
-/// keys' loads are one base address plus constant offsets (with a run-time width, address
-/// arithmetic took as many instructions as the FMAs).
+/// row and KV head), the width a constant where it can be ([`with_head_width`]).
 fn score_lanes<const G: usize>(
     qt: &[f32],
     hp: usize,
@@ -253,12 +276,9 @@ fn score_lanes<const G: usize>(
     out: &mut [f32],
 ) {
     let n = keys.len() / hd.max(1);
-    match hd {
-        64 => score_lanes_hd::<G>(qt, hp, lg, 64, n, |j| &keys[j * 64..][..64], scale, out),
-        128 => score_lanes_hd::<G>(qt, hp, lg, 128, n, |j| &keys[j * 128..][..128], scale, out),
-        32 => score_lanes_hd::<G>(qt, hp, lg, 32, n, |j| &keys[j * 32..][..32], scale, out),
-        _ => score_lanes_hd::<G>(qt, hp, lg, hd, n, |j| &keys[j * hd..][..hd], scale, out),
-    }
+    with_head_width!(hd, w => {
+        score_lanes_hd::<G>(qt, hp, lg, w, n, |j| &keys[j * w..][..w], scale, out)
+    })
 }
 
 /// [`score_lanes`] for keys given one at a time.
