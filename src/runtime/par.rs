@@ -8,8 +8,8 @@
 //! measured, one busy thread beside a 2-thread decode cut it to 0.48× while one thread alone
 //! kept 0.75× of the quiet rate), calls run on the caller alone for a while ([`Backoff`]).
 
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Stalled calls, among the last 64 parallel ones, that send calls to the caller alone.
@@ -20,6 +20,9 @@ const SERIAL_FOR: Duration = Duration::from_millis(100);
 /// least this long: a preempted helper is back after a scheduler slice (milliseconds), a quiet
 /// one hands back within tens of microseconds (waking it from sleep included).
 const STALL_MIN: Duration = Duration::from_micros(500);
+/// How long a spinning helper ([`with_spinning_helpers`]) looks for work without finding any
+/// before it returns to rayon's own idle loop (and from there to sleep).
+const SPIN_IDLE_LIMIT: Duration = Duration::from_millis(2);
 
 /// The helpers' recent record: which of the last 64 parallel calls stalled (one bit each), and
 /// until when calls run on the caller alone.
@@ -223,6 +226,76 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// Runs `f` as [`on_pool`] does while the pool's other workers look for work without going to
+/// sleep: each spins on `rayon::yield_now` (running any job it finds, as it would after waking)
+/// until `f` returns. For a training step, a long run of short parallel calls (gemm's row
+/// blocks, the fused passes) with serial work between them: a rayon worker that finds nothing
+/// for a few dozen rounds sleeps on a futex, and waking it for each call was a visible share of
+/// a small model's step (OpenMP pools spin between parallel regions for the same reason).
+/// Measured with `envace bench train`: docs/PERFORMANCE.md. Only for work that keeps the cores
+/// busy anyway: a spinner holds its core until `f` returns.
+///
+/// A spinner also returns after [`SPIN_IDLE_LIMIT`] without work. That gives the core back
+/// during a long serial stretch, and it bounds a wait spinning could otherwise make endless
+/// when several drivers share the pool: a spinner picked up by a worker that was waiting inside
+/// one of its jobs sits above that job on the worker's stack, and the job cannot finish before
+/// the spinner returns.
+pub fn with_spinning_helpers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    spinning(f, &Arc::default())
+}
+
+/// [`with_spinning_helpers`], counting the spinners alive in `live`.
+fn spinning<R: Send>(f: impl FnOnce() -> R + Send, live: &Arc<AtomicUsize>) -> R {
+    /// Ends the spinners when `f` returns or unwinds.
+    struct Stop(Arc<AtomicBool>);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    on_pool(|| {
+        let stop = Stop(Arc::default());
+        let flag = stop.0.clone();
+        let live = live.clone();
+        let caller = rayon::current_thread_index();
+        rayon::spawn_broadcast(move |ctx| {
+            if Some(ctx.index()) != caller {
+                live.fetch_add(1, Ordering::Relaxed);
+                spin_until(&flag);
+                live.fetch_sub(1, Ordering::Release);
+            }
+        });
+        let out = f();
+        drop(stop);
+        out
+    })
+}
+
+/// One helper's loop: run whatever work appears until `stop`, or until none has for
+/// [`SPIN_IDLE_LIMIT`].
+fn spin_until(stop: &AtomicBool) {
+    let mut idle = 0u32;
+    let mut idle_since = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        if let Some(rayon::Yield::Executed) = rayon::yield_now() {
+            idle = 0;
+            continue;
+        }
+        if idle == 0 {
+            idle_since = Instant::now();
+        }
+        idle = idle.wrapping_add(1);
+        if idle.is_multiple_of(64) {
+            if idle_since.elapsed() > SPIN_IDLE_LIMIT {
+                return;
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +309,110 @@ mod tests {
             })
         });
         hits.iter().all(|h| h.load(Ordering::Relaxed) == 1)
+    }
+
+    /// A two-worker pool of its own, so that other tests' work does not share it.
+    fn pool() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap()
+    }
+
+    /// Waits up to a second for the spinners counted in `live` to end.
+    fn spinners_end(live: &AtomicUsize) -> bool {
+        let t = Instant::now();
+        while live.load(Ordering::Acquire) > 0 {
+            if t.elapsed() > Duration::from_secs(1) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    #[test]
+    fn spinning_helpers_do_the_work_and_stop_with_it() {
+        let pool = pool();
+        let live = Arc::new(AtomicUsize::new(0));
+        let seen = AtomicUsize::new(0);
+        let out = pool.install(|| {
+            spinning(
+                || {
+                    for _ in 0..50 {
+                        assert!(each_ran_once(500, false, |f| f()));
+                    }
+                    // The other worker is held by its spinner (once it has woken).
+                    let t = Instant::now();
+                    while live.load(Ordering::Acquire) == 0 && t.elapsed().as_secs() < 1 {
+                        std::hint::spin_loop();
+                    }
+                    seen.store(live.load(Ordering::Acquire), Ordering::Relaxed);
+                    7
+                },
+                &live,
+            )
+        });
+        assert_eq!(out, 7);
+        assert_eq!(seen.load(Ordering::Relaxed), 1, "one spinner while f ran");
+        assert!(spinners_end(&live), "the spinner outlived f");
+        // A long serial stretch inside `f`: the spinner gives its core back after the idle limit.
+        let live = Arc::new(AtomicUsize::new(0));
+        let gave_back = pool.install(|| {
+            spinning(
+                || {
+                    let t = Instant::now();
+                    while live.load(Ordering::Acquire) == 0 && t.elapsed().as_secs() < 1 {
+                        std::hint::spin_loop();
+                    }
+                    spinners_end(&live)
+                },
+                &live,
+            )
+        });
+        assert!(
+            gave_back,
+            "the spinner kept spinning through a serial stretch"
+        );
+        // Also when `f` unwinds.
+        let live = Arc::new(AtomicUsize::new(0));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| spinning(|| panic!("a failed step"), &live))
+        }));
+        assert!(r.is_err());
+        assert!(spinners_end(&live), "the spinner outlived a panicking f");
+    }
+
+    #[test]
+    fn spinning_drivers_side_by_side_finish() {
+        // Two drivers on one two-worker pool, each with nested parallel work, each spinning the
+        // other's worker, so each one's spinner also runs the other's jobs and steps.
+        let pool = Arc::new(pool());
+        let (tx, rx) = std::sync::mpsc::channel();
+        for d in 0..2 {
+            let (pool, tx) = (pool.clone(), tx.clone());
+            std::thread::spawn(move || {
+                for _ in 0..100 {
+                    let ok = pool.install(|| {
+                        with_spinning_helpers(|| {
+                            let n = AtomicUsize::new(0);
+                            for_each_index(8, false, |_| {
+                                for_each_index(64, false, |i| {
+                                    n.fetch_add(i, Ordering::Relaxed);
+                                })
+                            });
+                            n.load(Ordering::Relaxed) == 8 * 2016
+                        })
+                    });
+                    assert!(ok);
+                }
+                tx.send(d).unwrap();
+            });
+        }
+        for _ in 0..2 {
+            rx.recv_timeout(Duration::from_secs(120))
+                .expect("a driver did not finish");
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ use super::optim::{AdamW, AdamWConfig};
 use crate::runtime::bench::peak_rss_mb;
 use crate::runtime::config::{DecoderConfig, Family};
 use crate::runtime::fused::Kernels;
+use crate::runtime::par::with_spinning_helpers;
 
 /// Benchmark settings.
 #[derive(Debug, Clone)]
@@ -170,13 +171,16 @@ pub fn run(
     let (mut times, mut fwd, mut bwd, mut optim) = (vec![], vec![], vec![], vec![]);
     for step in 0..=cfg.steps {
         let t = Instant::now();
-        let (loss, _) = masked_nll(&model.decoder, &refs)?;
-        let t_fwd = t.elapsed().as_secs_f64();
-        let grads = crate::runtime::train_pass::backward(&loss)?;
-        let t_bwd = t.elapsed().as_secs_f64();
-        // As the trainers do: the gradient norm (clipping, metrics), then the update.
-        let _ = opt.grad_norm(&grads)?;
-        opt.step(&grads, 1e-4, 1.0)?;
+        let (t_fwd, t_bwd) = with_spinning_helpers(|| -> Result<_, TrainError> {
+            let (loss, _) = masked_nll(&model.decoder, &refs)?;
+            let t_fwd = t.elapsed().as_secs_f64();
+            let grads = crate::runtime::train_pass::backward(&loss)?;
+            let t_bwd = t.elapsed().as_secs_f64();
+            // As the trainers do: the gradient norm (clipping, metrics), then the update.
+            let _ = opt.grad_norm(&grads)?;
+            opt.step(&grads, 1e-4, 1.0)?;
+            Ok((t_fwd, t_bwd))
+        })?;
         let t_all = t.elapsed().as_secs_f64();
         if step > 0 {
             times.push(t_all);

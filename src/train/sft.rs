@@ -16,6 +16,7 @@ use super::metrics::{MetricsSink, StepMetrics};
 use super::model::{Example, TrainableModel, masked_nll};
 use super::optim::{AdamW, AdamWConfig, schedule};
 use crate::runtime::CancelToken;
+use crate::runtime::par::with_spinning_helpers;
 
 /// SFT settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -158,16 +159,20 @@ pub fn run_sft(
         }
         let idx = batch_indices(&lengths, cfg.batch_size, cfg.seed, step);
         let batch: Vec<&Example> = idx.iter().map(|&i| &examples[i]).collect();
-        let (loss, n) = masked_nll(&model.decoder, &batch)?;
-        let grads = crate::runtime::train_pass::backward(&loss)?;
-        let gn = opt.grad_norm(&grads)?;
-        let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip {
-            cfg.grad_clip / gn
-        } else {
-            1.0
-        };
         let lr = schedule(cfg.lr, step, cfg.warmup, cfg.steps, cfg.min_lr_ratio);
-        opt.step(&grads, lr, scale)?;
+        // The whole step with the pool's helpers spinning between kernels.
+        let (loss, n, gn) = with_spinning_helpers(|| -> Result<_, TrainError> {
+            let (loss, n) = masked_nll(&model.decoder, &batch)?;
+            let grads = crate::runtime::train_pass::backward(&loss)?;
+            let gn = opt.grad_norm(&grads)?;
+            let scale = if cfg.grad_clip > 0.0 && gn > cfg.grad_clip {
+                cfg.grad_clip / gn
+            } else {
+                1.0
+            };
+            opt.step(&grads, lr, scale)?;
+            Ok((loss, n, gn))
+        })?;
         let l = loss.to_scalar::<f32>()? as f64;
         if first.is_nan() {
             first = l;

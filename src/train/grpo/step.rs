@@ -344,7 +344,17 @@ pub(super) struct Learner<'a> {
 impl Learner<'_> {
     /// Optimise on `trained` (and the grounding batch of step `step`) for `epochs` passes, one
     /// optimizer update per pass with the micro-batches' gradients accumulated.
+    /// All of it runs with the pool's helpers spinning between kernels
+    /// ([`crate::runtime::par::with_spinning_helpers`]).
     pub fn optimise(
+        &mut self,
+        trained: &Trained<'_>,
+        step: usize,
+    ) -> Result<PassStats, TrainError> {
+        crate::runtime::par::with_spinning_helpers(|| self.optimise_here(trained, step))
+    }
+
+    fn optimise_here(
         &mut self,
         trained: &Trained<'_>,
         step: usize,
