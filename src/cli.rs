@@ -404,6 +404,11 @@ pub struct PretrainArgs {
     /// schedule, instead of starting from scratch.
     #[arg(long)]
     pub init: Option<PathBuf>,
+    /// Full fine-tuning from a LoRA adapter `--init`: fold it into its base and train every
+    /// weight (the output is a plain checkpoint). Without it an adapter `--init` trains on as
+    /// an adapter.
+    #[arg(long, requires = "init", conflicts_with = "lora")]
+    pub full: bool,
     /// Train-split tasks generated per domain for the corpus (0 = the 500 built-in ones).
     #[arg(long, default_value_t = 4000)]
     pub tasks_per_domain: usize,

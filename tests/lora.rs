@@ -524,6 +524,37 @@ fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
     );
 }
 
+/// `pretrain --full` from an adapter: the adapter folded into its base, every weight a
+/// trainable variable; it starts as the adapted model and saves as a plain checkpoint.
+#[test]
+fn full_fine_tuning_from_an_adapter_starts_at_the_adapted_model_and_trains_every_weight() {
+    let dir = base_dir();
+    let base = dir.path().join("base");
+    let cfg = LoraConfig::new(4, Some(12.0), ALL, 2).unwrap();
+    let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
+    let adapter = sft_run(&m, &base, 8, &dir.path().join("run"));
+    let full = TrainableModel::load_folded(&adapter, &Device::Cpu).unwrap();
+    assert!(full.lora.is_none());
+    let plain = TrainableModel::load(&base, &Device::Cpu).unwrap();
+    assert_eq!(
+        full.trainable_parameters(),
+        plain.trainable_parameters(),
+        "every weight trains"
+    );
+    let ids = [1u32, 40, 7, 200, 13, 13, 90, 5];
+    assert!(max_diff(&logits(&m.decoder, &ids), &logits(&full.decoder, &ids)) < 1e-4);
+    let before = decoder_weights(&full.decoder);
+    let fin = sft_run(&full, &base, 2, &dir.path().join("full"));
+    assert!(fin.join("model.safetensors").is_file());
+    assert!(!fin.join("adapter_config.json").exists());
+    let saved = file_tensors(&fin.join("model.safetensors"));
+    // Weights no adapter touched (the embeddings, the norms) trained too.
+    for n in ["model.embed_tokens.weight", "model.norm.weight"] {
+        assert_ne!(flat(&saved[n]), before[n], "{n} did not train");
+    }
+    LocalModel::load_on(&fin, &Device::Cpu, None).unwrap();
+}
+
 #[test]
 fn lora_grpo_runs_two_steps_and_its_adapter_checkpoint_resumes() {
     use envace::engine::runner::ModeChoice;

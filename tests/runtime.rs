@@ -692,6 +692,28 @@ fn an_hf_layout_adapter_on_the_smollm2_gguf_equals_it_on_the_dequantized_model()
     );
 }
 
+/// `pretrain --full` from the shipped SmolLM2 adapter: the adapter folded into the dequantized
+/// GGUF base (q/k rows in HF order) gives the logits of the trainer's unmerged LoRA model.
+#[test]
+fn the_shipped_adapter_folded_for_full_fine_tuning_equals_it_unmerged() {
+    use envace::train::model::TrainableModel;
+    let _ = smollm2();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/smollm2-envace");
+    let lora = TrainableModel::load_adapter(&dir, &Device::Cpu).unwrap();
+    let full = TrainableModel::load_folded(&dir, &Device::Cpu).unwrap();
+    assert!(lora.lora.is_some() && full.lora.is_none());
+    assert!(full.trainable_parameters() > 100_000_000);
+    let ids: Vec<u32> = vec![1, 9690, 198, 504, 3575, 282, 4649, 314, 30];
+    let t = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
+    let run = |m: &TrainableModel| {
+        m.decoder
+            .forward(&t, &mut m.decoder.new_cache(), Pass::Infer, LogitsAt::All)
+            .unwrap()
+    };
+    let d = max_abs_diff(&run(&lora), &run(&full));
+    assert!(d < 2e-3, "max abs logit diff {d}");
+}
+
 #[test]
 fn a_chat_template_jinja_file_beside_the_config_is_the_models_template() {
     let dir = tempfile::tempdir().unwrap();

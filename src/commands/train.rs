@@ -270,6 +270,7 @@ pub fn pretrain(a: crate::cli::PretrainArgs) -> Result<()> {
             a.seed,
         )?);
     }
+    cfg.full = a.full;
     if a.dry_run {
         let stats = envace::train::pretrain::dry_run(&cfg)?;
         println!("{}", serde_json::to_string_pretty(&stats)?);

@@ -21,8 +21,8 @@ use super::checkpoint::{self, write_atomically};
 use crate::runtime::RuntimeError;
 use crate::runtime::decoder::Decoder;
 use crate::runtime::loader::{
-    ADAPTER_WEIGHTS, CheckpointFiles, LORA_MODULES, base_hash, peft_names, read_adapter,
-    read_safetensors,
+    ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, LORA_MODULES, base_hash, peft_names,
+    read_adapter, read_safetensors,
 };
 
 /// The modules adapted when none are named: the attention projections.
@@ -110,36 +110,21 @@ pub fn init_adapter(
     Ok(out)
 }
 
-/// What a merge did.
-#[derive(Debug, Clone, Serialize)]
-pub struct MergeReport {
-    pub out: PathBuf,
-    pub merged_projections: usize,
-    pub r: usize,
-    pub lora_alpha: f64,
-    pub target_modules: Vec<String>,
-}
-
-/// Fold the adapter in `adapter` into the HF checkpoint `base` and write the result to `out`
-/// atomically: the base's `config.json` and `generation_config.json` as they are, a single
-/// `model.safetensors` (adapted weights `W + (alpha/r)·B A` computed in f32 and stored in W's
-/// dtype; every other tensor unchanged), the base's tokenizer files, and the prompt profile
-/// (`envace.json`, the adapter's if it has one, else the base's).
-pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeReport, TrainError> {
-    let files = CheckpointFiles::locate(base)?;
-    let (cfg, lora) = read_adapter(adapter)?;
-    cfg.check_base(adapter, base, &base_hash(base)?)?;
-    let mut tensors: HashMap<String, Tensor> = read_safetensors(&files.weights)?
-        .into_iter()
-        .map(|(k, (t, _))| (k, t))
-        .collect();
+/// Fold the adapter `lora` (read from `adapter` with `cfg`) into the named base `tensors`
+/// (HF names; `base` names their file in errors): each adapted weight becomes `W + (alpha/r)·B A`,
+/// computed in f32 and stored in W's dtype. Returns how many projections it changed.
+pub fn fold_adapter(
+    tensors: &mut HashMap<String, Tensor>,
+    cfg: &AdapterConfig,
+    lora: &HashMap<String, Tensor>,
+    adapter: &Path,
+    base: &Path,
+) -> Result<usize, RuntimeError> {
     let adapter_file = adapter.join(ADAPTER_WEIGHTS);
-    let tensor_err = |name: &str, message: String| {
-        TrainError::Runtime(RuntimeError::Tensor {
-            path: adapter_file.display().to_string(),
-            name: name.to_string(),
-            message,
-        })
+    let tensor_err = |name: &str, message: String| RuntimeError::Tensor {
+        path: adapter_file.display().to_string(),
+        name: name.to_string(),
+        message,
     };
     let mut modules: Vec<String> = Vec::new();
     for k in lora.keys() {
@@ -187,6 +172,33 @@ pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeRep
         let merged = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
         tensors.insert(wn, merged);
     }
+    Ok(modules.len())
+}
+
+/// What a merge did.
+#[derive(Debug, Clone, Serialize)]
+pub struct MergeReport {
+    pub out: PathBuf,
+    pub merged_projections: usize,
+    pub r: usize,
+    pub lora_alpha: f64,
+    pub target_modules: Vec<String>,
+}
+
+/// Fold the adapter in `adapter` into the HF checkpoint `base` and write the result to `out`
+/// atomically: the base's `config.json` and `generation_config.json` as they are, a single
+/// `model.safetensors` (adapted weights `W + (alpha/r)·B A` computed in f32 and stored in W's
+/// dtype; every other tensor unchanged), the base's tokenizer files, and the prompt profile
+/// (`envace.json`, the adapter's if it has one, else the base's).
+pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeReport, TrainError> {
+    let files = CheckpointFiles::locate(base)?;
+    let (cfg, lora) = read_adapter(adapter)?;
+    cfg.check_base(adapter, base, &base_hash(base)?)?;
+    let mut tensors: HashMap<String, Tensor> = read_safetensors(&files.weights)?
+        .into_iter()
+        .map(|(k, (t, _))| (k, t))
+        .collect();
+    let modules = fold_adapter(&mut tensors, &cfg, &lora, adapter, base)?;
     let profile = [adapter.join("envace.json"), base.join("envace.json")]
         .into_iter()
         .find(|p| p.is_file());
@@ -211,7 +223,7 @@ pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeRep
     })?;
     Ok(MergeReport {
         out: out.to_path_buf(),
-        merged_projections: modules.len(),
+        merged_projections: modules,
         r: cfg.r,
         lora_alpha: cfg.lora_alpha,
         target_modules: cfg.target_modules,

@@ -16,10 +16,10 @@ use crate::runtime::fixture::random_weights;
 use crate::runtime::fused;
 use crate::runtime::loader::{
     ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, attach_adapter, base_hash, build_dense,
-    is_adapter_dir, is_gguf, load_gguf_dense, load_hf, read_adapter,
+    gguf_hf_tensors, hf_tensors, is_adapter_dir, is_gguf, load_gguf_dense, load_hf, read_adapter,
 };
 use crate::runtime::train_pass;
-use crate::train::lora::{LoraConfig, init_adapter};
+use crate::train::lora::{LoraConfig, fold_adapter, init_adapter};
 
 /// A trainable decoder.
 pub struct TrainableModel {
@@ -50,6 +50,47 @@ impl TrainableModel {
         }
         let varmap = VarMap::new();
         let decoder = load_base(dir, device, Some(&varmap))?;
+        Ok(Self {
+            decoder,
+            varmap,
+            source: Some(dir.to_path_buf()),
+            lora: None,
+        })
+    }
+
+    /// Full fine-tuning from a LoRA adapter directory: its base with the adapter folded into
+    /// the weights (as `envace merge` does), every weight trainable (f32). The model then trains
+    /// and saves as a plain checkpoint; the adapter's tokenizer and template stay the caller's.
+    pub fn load_folded(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
+        let (acfg, lora) = read_adapter(dir)?;
+        let base = acfg.resolve_base(dir)?;
+        acfg.check_base(dir, &base, &base_hash(&base)?)?;
+        let (cfg, named) = if is_gguf(&base) {
+            let (cfg, tensors, _) = gguf_hf_tensors(&base, device)?;
+            let named = tensors
+                .into_iter()
+                .map(|(k, t)| (k, (t, base.clone())))
+                .collect::<HashMap<_, _>>();
+            (cfg, named)
+        } else {
+            hf_tensors(&CheckpointFiles::locate(&base)?)?
+        };
+        let mut files: HashMap<String, PathBuf> = HashMap::new();
+        let mut tensors: HashMap<String, Tensor> = HashMap::new();
+        for (k, (t, p)) in named {
+            files.insert(k.clone(), p);
+            tensors.insert(k, t);
+        }
+        fold_adapter(&mut tensors, &acfg, &lora, dir, &base)?;
+        let named = tensors
+            .into_iter()
+            .map(|(k, t)| {
+                let p = files.remove(&k).unwrap_or_else(|| base.clone());
+                (k, (t, p))
+            })
+            .collect();
+        let varmap = VarMap::new();
+        let decoder = build_dense(&cfg, named, DType::F32, device, Some(&varmap))?;
         Ok(Self {
             decoder,
             varmap,

@@ -307,6 +307,16 @@ pub fn load_hf(
     device: &Device,
     trainable: Option<&VarMap>,
 ) -> Result<Decoder, RuntimeError> {
+    let (cfg, tensors) = hf_tensors(files)?;
+    build_dense(&cfg, tensors, dtype, device, trainable)
+}
+
+/// An HF checkpoint directory's configuration (its generation config's end tokens added) and
+/// named tensors, as [`build_dense`] takes them.
+#[allow(clippy::type_complexity)]
+pub fn hf_tensors(
+    files: &CheckpointFiles,
+) -> Result<(DecoderConfig, HashMap<String, (Tensor, PathBuf)>), RuntimeError> {
     let mut cfg = DecoderConfig::from_hf_file(&files.config)?;
     if let Some(gc) = &files.generation_config
         && let Ok(text) = std::fs::read_to_string(gc)
@@ -318,6 +328,5 @@ pub fn load_hf(
             }
         }
     }
-    let tensors = read_safetensors(&files.weights)?;
-    build_dense(&cfg, tensors, dtype, device, trainable)
+    Ok((cfg, read_safetensors(&files.weights)?))
 }

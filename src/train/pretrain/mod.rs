@@ -27,7 +27,7 @@ use crate::message::Role;
 use crate::runtime::CancelToken;
 use crate::runtime::config::{DecoderConfig, Family};
 use crate::runtime::fixture::tokenizer_config_with;
-use crate::runtime::loader::is_gguf;
+use crate::runtime::loader::{is_adapter_dir, is_gguf};
 use crate::runtime::model::gguf_tokenizer;
 use crate::runtime::tokenizer::Tokenizer;
 use crate::train::lora::LoraConfig;
@@ -57,6 +57,10 @@ pub struct PretrainConfig {
     /// Train a LoRA adapter on the `--init` model instead of every weight.
     #[serde(default)]
     pub lora: Option<LoraConfig>,
+    /// An `--init` LoRA adapter is folded into its base and every weight trains (without it,
+    /// an adapter `--init` continues as an adapter).
+    #[serde(default)]
+    pub full: bool,
 }
 
 impl Default for PretrainConfig {
@@ -93,6 +97,7 @@ impl Default for PretrainConfig {
                 stop_at: None,
             },
             lora: None,
+            full: false,
         }
     }
 }
@@ -290,6 +295,9 @@ pub fn run_pretrain(
     let device = candle_core::Device::Cpu;
     let model = match (init, &cfg.lora) {
         (Some(dir), Some(lora)) => TrainableModel::load_lora(dir, lora, &device)?,
+        (Some(dir), None) if cfg.full && is_adapter_dir(dir) => {
+            TrainableModel::load_folded(dir, &device)?
+        }
         (Some(dir), None) => TrainableModel::load(dir, &device)?,
         (None, Some(_)) => {
             return Err(TrainError::Data(
