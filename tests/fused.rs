@@ -551,3 +551,61 @@ fn logits_at_masked_positions_only_give_the_full_losses_and_gradients() {
         }
     });
 }
+
+/// Training steps of two trainers at once on one pool, each step on a pool worker with the
+/// helpers spinning (as SFT and GRPO run them): a worker waiting inside one step's parallel call
+/// may run the other trainer's whole step, and each step must still get exactly its own
+/// gradients (the same bits as the step run alone; they do not depend on the thread count).
+#[test]
+fn concurrent_trainers_on_one_pool_each_get_their_own_gradients() {
+    use envace::runtime::par::with_spinning_helpers;
+    use std::sync::Arc;
+    let cfg = tiny_config(Family::Qwen2);
+    let models: Vec<Arc<TrainableModel>> = (0..2)
+        .map(|s| Arc::new(TrainableModel::init(&cfg, 11 + s, &Device::Cpu).unwrap()))
+        .collect();
+    let vocab = cfg.vocab_size as u32;
+    let want: Vec<_> = models.iter().map(|m| step_grads(m, vocab)).collect();
+    let pool = Arc::new(
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap(),
+    );
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let (pool, m, want) = (pool.clone(), models[i].clone(), want[i].clone());
+            std::thread::spawn(move || {
+                for _ in 0..60 {
+                    let got = pool.install(|| with_spinning_helpers(|| step_grads(&m, vocab)));
+                    assert!(
+                        got == want,
+                        "trainer {i}: gradients differ from its step alone"
+                    );
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+/// Every weight's gradient of one training step of `m` on [`batch`], in `named_vars` order.
+fn step_grads(m: &TrainableModel, vocab: u32) -> Vec<Vec<f32>> {
+    let ex = batch(vocab);
+    let refs: Vec<&Example> = ex.iter().collect();
+    let (loss, _) = masked_nll(&m.decoder, &refs).unwrap();
+    let g = train_pass::backward(&loss).unwrap();
+    m.named_vars()
+        .iter()
+        .map(|(_, v)| {
+            g.get(v.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect()
+}

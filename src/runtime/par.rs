@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::fused::{Kernels, with_kernels};
+
 /// Stalled calls, among the last 64 parallel ones, that send calls to the caller alone.
 const STALL_LIMIT: u32 = 8;
 /// How long calls then stay on the caller alone before the helpers are tried again.
@@ -218,11 +220,15 @@ fn participate(k: usize, work: &(impl Fn() + Sync)) {
 
 /// Runs `f` on a worker of rayon's pool (in place when already on one), so that the calling
 /// side of every [`for_each_index`] inside it takes part in the work instead of waiting for it.
+/// The caller's choice of training kernels (a per-thread override, [`with_kernels`]) goes with
+/// it. Whatever `f` keeps per thread must allow for nesting: while `f` waits inside a parallel
+/// call, its worker may run another caller's `f`.
 pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
         f()
     } else {
-        rayon::scope(|_| f())
+        let kernels = Kernels::current();
+        rayon::scope(|_| with_kernels(kernels, f))
     }
 }
 
@@ -508,5 +514,9 @@ mod tests {
         });
         assert!(outer.0.is_some());
         assert_eq!(outer.0, outer.1);
+        // The caller's choice of training kernels goes with it.
+        for k in [Kernels::Slow, Kernels::Fused] {
+            assert_eq!(with_kernels(k, || on_pool(Kernels::current)), k);
+        }
     }
 }

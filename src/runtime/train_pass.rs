@@ -15,7 +15,7 @@
 //! long as the logits' graph (a forward that is only looked at frees its activations with its
 //! loss). The loss is built on the logits with ordinary candle ops; during candle's backward the
 //! op receives the logits' gradient, runs the tape's backward and leaves the parameters'
-//! gradients in a per-thread collector, which [`backward`] (cleared before, drained after
+//! gradients in a per-thread collector frame, which [`backward`] (pushed before, popped after
 //! `loss.backward()`) inserts into the same `GradStore`, summed where a tensor is used twice (tied
 //! embeddings). Losses on next-token log-probs (SFT, GRPO) take [`token_terms_at`] instead: the
 //! same op outputs each position's `[log p, logsumexp, entropy]` and keeps the logits to itself,
@@ -46,8 +46,11 @@ use super::train_attention::{AttnOp, AttnShape};
 type Result<T> = candle_core::Result<T>;
 
 thread_local! {
-    /// Parameter gradients the tapes produced during the running `loss.backward()`.
-    static COLLECTED: RefCell<Grads> = RefCell::new(Grads::default());
+    /// Parameter gradients the tapes produced, one frame per [`backward`] running on this
+    /// thread. A stack, not one collector: a thread that waits inside a parallel call of one
+    /// backward (a rayon worker stepping on behalf of a trainer) may run another trainer's whole
+    /// step meanwhile, and that step's gradients must not mix with these.
+    static COLLECTED: RefCell<Vec<Grads>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Whether [`forward`] can run `decoder`: the fused kernels selected, dense contiguous f32 CPU
@@ -244,6 +247,13 @@ impl Grads {
             None => {
                 self.by_id.insert(t.id(), (t.clone(), g));
             }
+        }
+    }
+
+    /// Adds `other`'s gradients to these.
+    fn merge(&mut self, other: Grads) {
+        for (_, (t, g)) in other.by_id {
+            self.add(&t, g);
         }
     }
 
@@ -764,7 +774,22 @@ impl CustomOp1 for TapeOp {
             }
         };
         let rows = dlogits.len() / v.max(1);
-        COLLECTED.with(|c| tape.backward(Mat::new(dlogits, rows, v), &mut c.borrow_mut()))?;
+        // The running backward's frame, taken out while the tape runs (its parallel calls may
+        // run another backward on this thread) and added back after. Outside [`backward`] (a
+        // plain `loss.backward()`) there is none, and the gradients are dropped.
+        let mut grads = COLLECTED.with(|c| c.borrow_mut().last_mut().map(std::mem::take));
+        let mut scratch = Grads::default();
+        tape.backward(
+            Mat::new(dlogits, rows, v),
+            grads.as_mut().unwrap_or(&mut scratch),
+        )?;
+        if let Some(g) = grads {
+            COLLECTED.with(|c| {
+                if let Some(top) = c.borrow_mut().last_mut() {
+                    top.merge(g);
+                }
+            });
+        }
         Ok(None)
     }
 }
@@ -893,10 +918,9 @@ impl Tape {
 /// `loss.backward()` plus the decoder parameters' gradients of every training forward whose
 /// logits the loss depends on (see the module header).
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
-    // Gradients stranded by a plain `loss.backward()` elsewhere must not leak into this one.
-    COLLECTED.with(|c| c.borrow_mut().by_id.clear());
+    COLLECTED.with(|c| c.borrow_mut().push(Grads::default()));
     let store = loss.backward();
-    let grads = COLLECTED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let grads = COLLECTED.with(|c| c.borrow_mut().pop()).unwrap_or_default();
     let mut store = store?;
     grads.into_store(&mut store)?;
     Ok(store)
