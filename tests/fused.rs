@@ -599,13 +599,7 @@ fn step_grads(m: &TrainableModel, vocab: u32) -> Vec<Vec<f32>> {
     let g = train_pass::backward(&loss).unwrap();
     m.named_vars()
         .iter()
-        .map(|(_, v)| {
-            g.get(v.as_tensor())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        })
+        .map(|(_, v)| g.get(v.as_tensor()).unwrap().flatten_all().unwrap())
+        .map(|t| t.to_vec1::<f32>().unwrap())
         .collect()
 }

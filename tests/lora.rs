@@ -80,6 +80,17 @@ fn base_dir() -> tempfile::TempDir {
     dir
 }
 
+/// A tiny base in a temp dir, an r = 4 (alpha 12) LoRA model on all seven projections, and the
+/// adapter 8 SFT steps made of it: (the dir, the base path, the model, the adapter dir).
+fn trained_adapter() -> (tempfile::TempDir, PathBuf, TrainableModel, PathBuf) {
+    let dir = base_dir();
+    let base = dir.path().join("base");
+    let cfg = LoraConfig::new(4, Some(12.0), ALL, 2).unwrap();
+    let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
+    let adapter = sft_run(&m, &base, 8, &dir.path().join("run"));
+    (dir, base, m, adapter)
+}
+
 fn file_tensors(path: &Path) -> HashMap<String, Tensor> {
     let bytes = std::fs::read(path).unwrap();
     candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).unwrap()
@@ -457,11 +468,7 @@ fn an_adapter_on_a_base_other_than_its_own_is_refused() {
 
 #[test]
 fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
-    let dir = base_dir();
-    let base = dir.path().join("base");
-    let cfg = LoraConfig::new(4, Some(12.0), ALL, 2).unwrap();
-    let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
-    let adapter = sft_run(&m, &base, 8, &dir.path().join("run"));
+    let (dir, base, m, adapter) = trained_adapter();
     let merged = dir.path().join("merged");
     let r = merge_adapter(&base, &adapter, &merged).unwrap();
     assert_eq!(r.merged_projections, m.decoder.cfg.num_hidden_layers * 7);
@@ -528,11 +535,7 @@ fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
 /// trainable variable; it starts as the adapted model and saves as a plain checkpoint.
 #[test]
 fn full_fine_tuning_from_an_adapter_starts_at_the_adapted_model_and_trains_every_weight() {
-    let dir = base_dir();
-    let base = dir.path().join("base");
-    let cfg = LoraConfig::new(4, Some(12.0), ALL, 2).unwrap();
-    let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
-    let adapter = sft_run(&m, &base, 8, &dir.path().join("run"));
+    let (dir, base, m, adapter) = trained_adapter();
     let full = TrainableModel::load_folded(&adapter, &Device::Cpu).unwrap();
     assert!(full.lora.is_none());
     let plain = TrainableModel::load(&base, &Device::Cpu).unwrap();

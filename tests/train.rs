@@ -970,3 +970,77 @@ fn training_commands_run_with_the_training_allocator_settings() {
     assert!(users.contains("MALLOC_MMAP_MAX_=65536"), "{users}");
     assert!(!users.contains("MALLOC_TRIM_THRESHOLD_"), "{users}");
 }
+
+/// `envace pretrain --full` end to end: a LoRA continuation of the bundled model, then `--full`
+/// from that adapter writes a plain checkpoint in which weights no adapter touches (the
+/// embeddings) trained too, and records `full` in its `pretrain.json`; without `--full` the
+/// same `--init` stays an adapter. `--full` without `--init`, or with `--lora`, is refused.
+#[test]
+fn pretrain_full_from_an_adapter_writes_a_plain_checkpoint_of_every_weight() {
+    use std::ffi::OsStr;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let bundled = root.join("models/envace-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let pretrain = |init: &Path, out: &Path, extra: &[&str]| {
+        let mut args: Vec<&OsStr> = vec!["pretrain".as_ref(), "--init".as_ref()];
+        args.extend([init.as_os_str(), "--out".as_ref(), out.as_os_str()]);
+        for a in [
+            "--seed",
+            "3",
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--lr",
+            "1e-3",
+            "--tasks-per-domain",
+            "3",
+            "--json",
+        ]
+        .iter()
+        .chain(extra)
+        {
+            args.push(a.as_ref());
+        }
+        envace(&args)
+    };
+    let adapter = tmp.path().join("adapter");
+    ok_json(&pretrain(&bundled, &adapter, &["--lora", "4"]));
+    assert!(adapter.join("adapter_config.json").is_file());
+    let full = tmp.path().join("full");
+    ok_json(&pretrain(&adapter, &full, &["--full"]));
+    assert!(
+        !full.join("adapter_config.json").exists(),
+        "still an adapter"
+    );
+    let tensors = |p: PathBuf| {
+        candle_core::safetensors::load(p, &Device::Cpu)
+            .unwrap()
+            .remove("model.embed_tokens.weight")
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_ne!(
+        tensors(full.join("model.safetensors")),
+        tensors(bundled.join("model.safetensors")),
+        "the embeddings did not train"
+    );
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(full.join("pretrain.json")).unwrap()).unwrap();
+    assert_eq!(record["config"]["full"], true, "{record}");
+    LocalModel::load_on(&full, &Device::Cpu, None).unwrap();
+    // The same --init without --full continues the adapter.
+    let again = tmp.path().join("again");
+    ok_json(&pretrain(&adapter, &again, &[]));
+    assert!(again.join("adapter_config.json").is_file());
+    // Refused by the CLI, before any work.
+    let o = envace(&["pretrain".as_ref(), "--full".as_ref()]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--init"));
+    let o = pretrain(&adapter, &tmp.path().join("x"), &["--full", "--lora", "4"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot be used with"));
+}

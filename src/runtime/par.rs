@@ -247,11 +247,11 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// one of its jobs sits above that job on the worker's stack, and the job cannot finish before
 /// the spinner returns.
 pub fn with_spinning_helpers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    spinning(f, &Arc::default())
+    spinning(f, SPIN_IDLE_LIMIT, &Arc::default())
 }
 
-/// [`with_spinning_helpers`], counting the spinners alive in `live`.
-fn spinning<R: Send>(f: impl FnOnce() -> R + Send, live: &Arc<AtomicUsize>) -> R {
+/// [`with_spinning_helpers`] with the idle limit `idle`, counting the spinners alive in `live`.
+fn spinning<R: Send>(f: impl FnOnce() -> R + Send, idle: Duration, live: &Arc<AtomicUsize>) -> R {
     /// Ends the spinners when `f` returns or unwinds.
     struct Stop(Arc<AtomicBool>);
     impl Drop for Stop {
@@ -267,7 +267,7 @@ fn spinning<R: Send>(f: impl FnOnce() -> R + Send, live: &Arc<AtomicUsize>) -> R
         rayon::spawn_broadcast(move |ctx| {
             if Some(ctx.index()) != caller {
                 live.fetch_add(1, Ordering::Relaxed);
-                spin_until(&flag);
+                spin_until(&flag, idle);
                 live.fetch_sub(1, Ordering::Release);
             }
         });
@@ -277,9 +277,8 @@ fn spinning<R: Send>(f: impl FnOnce() -> R + Send, live: &Arc<AtomicUsize>) -> R
     })
 }
 
-/// One helper's loop: run whatever work appears until `stop`, or until none has for
-/// [`SPIN_IDLE_LIMIT`].
-fn spin_until(stop: &AtomicBool) {
+/// One helper's loop: run whatever work appears until `stop`, or until none has for `limit`.
+fn spin_until(stop: &AtomicBool, limit: Duration) {
     let mut idle = 0u32;
     let mut idle_since = Instant::now();
     while !stop.load(Ordering::Acquire) {
@@ -292,7 +291,7 @@ fn spin_until(stop: &AtomicBool) {
         }
         idle = idle.wrapping_add(1);
         if idle.is_multiple_of(64) {
-            if idle_since.elapsed() > SPIN_IDLE_LIMIT {
+            if idle_since.elapsed() > limit {
                 return;
             }
             std::thread::yield_now();
@@ -342,6 +341,8 @@ mod tests {
         let pool = pool();
         let live = Arc::new(AtomicUsize::new(0));
         let seen = AtomicUsize::new(0);
+        // An idle limit far beyond the test's waits: only `f`'s return can end the spinner.
+        let long = Duration::from_secs(60);
         let out = pool.install(|| {
             spinning(
                 || {
@@ -356,6 +357,7 @@ mod tests {
                     seen.store(live.load(Ordering::Acquire), Ordering::Relaxed);
                     7
                 },
+                long,
                 &live,
             )
         });
@@ -373,6 +375,7 @@ mod tests {
                     }
                     spinners_end(&live)
                 },
+                SPIN_IDLE_LIMIT,
                 &live,
             )
         });
@@ -383,7 +386,19 @@ mod tests {
         // Also when `f` unwinds.
         let live = Arc::new(AtomicUsize::new(0));
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            pool.install(|| spinning(|| panic!("a failed step"), &live))
+            pool.install(|| {
+                spinning(
+                    || {
+                        let t = Instant::now();
+                        while live.load(Ordering::Acquire) == 0 && t.elapsed().as_secs() < 1 {
+                            std::hint::spin_loop();
+                        }
+                        panic!("a failed step")
+                    },
+                    long,
+                    &live,
+                )
+            })
         }));
         assert!(r.is_err());
         assert!(spinners_end(&live), "the spinner outlived a panicking f");

@@ -65,7 +65,7 @@ impl TrainableModel {
         let (acfg, lora) = read_adapter(dir)?;
         let base = acfg.resolve_base(dir)?;
         acfg.check_base(dir, &base, &base_hash(&base)?)?;
-        let (cfg, named) = if is_gguf(&base) {
+        let (cfg, mut named) = if is_gguf(&base) {
             let (cfg, tensors, _) = gguf_hf_tensors(&base, device)?;
             let named = tensors
                 .into_iter()
@@ -75,20 +75,18 @@ impl TrainableModel {
         } else {
             hf_tensors(&CheckpointFiles::locate(&base)?)?
         };
-        let mut files: HashMap<String, PathBuf> = HashMap::new();
-        let mut tensors: HashMap<String, Tensor> = HashMap::new();
-        for (k, (t, p)) in named {
-            files.insert(k.clone(), p);
-            tensors.insert(k, t);
-        }
-        fold_adapter(&mut tensors, &acfg, &lora, dir, &base)?;
-        let named = tensors
-            .into_iter()
-            .map(|(k, t)| {
-                let p = files.remove(&k).unwrap_or_else(|| base.clone());
-                (k, (t, p))
-            })
+        // Fold on the tensors alone (cheap handles), then put the adapted ones back beside
+        // their files.
+        let mut tensors: HashMap<String, Tensor> = named
+            .iter()
+            .map(|(k, (t, _))| (k.clone(), t.clone()))
             .collect();
+        fold_adapter(&mut tensors, &acfg, &lora, dir, &base)?;
+        for (k, t) in tensors {
+            if let Some(entry) = named.get_mut(&k) {
+                entry.0 = t;
+            }
+        }
         let varmap = VarMap::new();
         let decoder = build_dense(&cfg, named, DType::F32, device, Some(&varmap))?;
         Ok(Self {
