@@ -40,7 +40,7 @@ pub enum Command {
     /// Role-wise GRPO (EnvACE world rehearsal) on a domain's train split, or `train sft` on
     /// collected sessions; full fine-tuning or LoRA (`--lora R`).
     Train(TrainArgs),
-    /// Fold a LoRA adapter into its base model: writes a plain HF checkpoint.
+    /// Fold a LoRA adapter into its base model (HF or GGUF): writes a plain HF checkpoint.
     Merge(MergeArgs),
     /// Task environments: built-in domains and MCP servers.
     Env {
@@ -688,15 +688,19 @@ pub struct SftArgs {
 /// `envace merge`.
 #[derive(Debug, Args)]
 pub struct MergeArgs {
-    /// The base HF checkpoint directory.
+    /// The base: an HF checkpoint directory or a GGUF file (default: the base the adapter's
+    /// config names; its recorded hash is checked either way).
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// The adapter directory (adapter_config.json + adapter_model.safetensors).
     #[arg(long)]
     pub adapter: PathBuf,
     /// Output directory (written atomically).
     #[arg(long)]
     pub out: PathBuf,
+    /// Store the weights as this dtype (default: the base's; f32 for a GGUF base).
+    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    pub dtype: Option<String>,
 }
 
 /// `envace tui`.

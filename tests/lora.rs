@@ -440,7 +440,9 @@ fn an_adapter_on_a_base_other_than_its_own_is_refused() {
         TrainableModel::load(&fin, &Device::Cpu)
             .unwrap_err()
             .to_string(),
-        merge_adapter(&base, &fin, &merged).unwrap_err().to_string(),
+        merge_adapter(Some(&base), &fin, &merged, None)
+            .unwrap_err()
+            .to_string(),
     ] {
         assert!(
             msg.contains("envace_base.json")
@@ -470,7 +472,7 @@ fn an_adapter_on_a_base_other_than_its_own_is_refused() {
 fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
     let (dir, base, m, adapter) = trained_adapter();
     let merged = dir.path().join("merged");
-    let r = merge_adapter(&base, &adapter, &merged).unwrap();
+    let r = merge_adapter(Some(&base), &adapter, &merged, None).unwrap();
     assert_eq!(r.merged_projections, m.decoder.cfg.num_hidden_layers * 7);
     assert!(!dir.path().join("merged.tmp").exists());
     for f in [

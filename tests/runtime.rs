@@ -714,6 +714,114 @@ fn the_shipped_adapter_folded_for_full_fine_tuning_equals_it_unmerged() {
     assert!(d < 2e-3, "max abs logit diff {d}");
 }
 
+/// `envace merge` of the shipped SmolLM2 adapter, which sits on a GGUF base, with no `--model`
+/// (the adapter names its base): a plain HF checkpoint whose weights are exactly what full
+/// fine-tuning starts from (the fold of `load_folded`), with a config that loads as an HF
+/// checkpoint, the adapter's own tokenizer files and prompt profile; `--dtype bf16` stores
+/// bfloat16 weights and says so, within bf16's rounding of the f32 logits.
+#[test]
+fn merging_the_shipped_adapter_into_its_gguf_base_writes_a_plain_hf_checkpoint() {
+    use envace::train::model::TrainableModel;
+    let _ = smollm2();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let adapter = root.join("models/smollm2-envace");
+    let tmp = tempfile::tempdir().unwrap();
+    let merge = |out: &Path, extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+            .arg("merge")
+            .arg("--adapter")
+            .arg(&adapter)
+            .arg("--out")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let f32_dir = tmp.path().join("merged");
+    let report = merge(&f32_dir, &[]);
+    assert_eq!(report["merged_projections"], 30 * 7, "{report}");
+    assert_eq!(report["dtype"], "float32", "{report}");
+    assert!(
+        report["base"].as_str().unwrap().ends_with(".gguf"),
+        "{report}"
+    );
+    for f in ["tokenizer.json", "tokenizer_config.json", "envace.json"] {
+        assert_eq!(
+            std::fs::read(adapter.join(f)).unwrap(),
+            std::fs::read(f32_dir.join(f)).unwrap(),
+            "{f} is not the adapter's"
+        );
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(f32_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(config["tie_word_embeddings"], true);
+    assert_eq!(config["torch_dtype"], "float32");
+    assert!(f32_dir.join("generation_config.json").is_file());
+    // The weights are the fold full fine-tuning starts from, bit for bit.
+    let folded = TrainableModel::load_folded(&adapter, &Device::Cpu).unwrap();
+    let want = folded.weights();
+    let got =
+        candle_core::safetensors::load(f32_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(want.len(), got.len());
+    for (name, w) in &want {
+        let g = got.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(g.dtype(), DType::F32, "{name}");
+        assert_eq!(max_abs_diff(w, g), 0.0, "{name}");
+    }
+    // It loads as a model (a plain HF checkpoint: no adapter, no GGUF) with the folded logits.
+    let ids: Vec<u32> = vec![1, 9690, 198, 504, 3575, 282, 4649, 314, 30];
+    let t = Tensor::from_vec(ids.clone(), (1, ids.len()), &Device::Cpu).unwrap();
+    let run = |d: &envace::runtime::decoder::Decoder| {
+        d.forward(&t, &mut d.new_cache(), Pass::Infer, LogitsAt::All)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    let reference = run(&folded.decoder);
+    let merged = LocalModel::load_on(&f32_dir, &Device::Cpu, None).unwrap();
+    let d = max_abs_diff(&reference, &run(&merged.decoder));
+    assert!(d < 1e-4, "merged f32 checkpoint: max abs logit diff {d}");
+    // bf16: half the bytes, every float stored as bf16, the logits within its rounding.
+    let bf16_dir = tmp.path().join("merged-bf16");
+    assert_eq!(merge(&bf16_dir, &["--dtype", "bf16"])["dtype"], "bfloat16");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bf16_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let got =
+        candle_core::safetensors::load(bf16_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(got.values().all(|t| t.dtype() == DType::BF16));
+    let merged = LocalModel::load_on(&bf16_dir, &Device::Cpu, None).unwrap();
+    let half = run(&merged.decoder);
+    let d = max_abs_diff(&reference, &half);
+    // Measured 0.30 (logits of magnitude ~20; bf16 keeps 8 bits of mantissa).
+    assert!(d < 0.75, "merged bf16 checkpoint: max abs logit diff {d}");
+    let last_argmax = |l: &Tensor| {
+        l.squeeze(0)
+            .unwrap()
+            .get(ids.len() - 1)
+            .unwrap()
+            .argmax(0)
+            .unwrap()
+            .to_scalar::<u32>()
+            .unwrap()
+    };
+    assert_eq!(last_argmax(&reference), last_argmax(&half));
+    // A dtype the flag does not know is refused before anything is written.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(["merge", "--dtype", "int8", "--out"])
+        .arg(tmp.path().join("never"))
+        .arg("--adapter")
+        .arg(&adapter)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("int8"));
+    assert!(!tmp.path().join("never").exists());
+}
+
 #[test]
 fn a_chat_template_jinja_file_beside_the_config_is_the_models_template() {
     let dir = tempfile::tempdir().unwrap();

@@ -197,7 +197,13 @@ pub fn train_sft(a: SftArgs) -> Result<()> {
 
 /// `envace merge`.
 pub fn merge(a: MergeArgs) -> Result<()> {
-    let r = envace::train::lora::merge_adapter(&a.model, &a.adapter, &a.out)?;
+    let dtype = match a.dtype.as_deref() {
+        None => None,
+        Some("bf16") => Some(candle_core::DType::BF16),
+        Some("f16") => Some(candle_core::DType::F16),
+        Some(_) => Some(candle_core::DType::F32),
+    };
+    let r = envace::train::lora::merge_adapter(a.model.as_deref(), &a.adapter, &a.out, dtype)?;
     println!("{}", serde_json::to_string_pretty(&r)?);
     Ok(())
 }

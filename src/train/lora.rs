@@ -21,8 +21,8 @@ use super::checkpoint::{self, write_atomically};
 use crate::runtime::RuntimeError;
 use crate::runtime::decoder::Decoder;
 use crate::runtime::loader::{
-    ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, LORA_MODULES, base_hash, peft_names,
-    read_adapter, read_safetensors,
+    ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, LORA_MODULES, base_hash, gguf_hf_tensors,
+    is_gguf, peft_names, read_adapter, read_safetensors,
 };
 
 /// The modules adapted when none are named: the attention projections.
@@ -179,55 +179,131 @@ pub fn fold_adapter(
 #[derive(Debug, Clone, Serialize)]
 pub struct MergeReport {
     pub out: PathBuf,
+    /// The base the adapter was folded into (given, or the one its config names).
+    pub base: PathBuf,
     pub merged_projections: usize,
     pub r: usize,
     pub lora_alpha: f64,
     pub target_modules: Vec<String>,
+    /// The stored weights' dtype (`float32`, `bfloat16`, `float16`, or `as base`).
+    pub dtype: String,
 }
 
-/// Fold the adapter in `adapter` into the HF checkpoint `base` and write the result to `out`
-/// atomically: the base's `config.json` and `generation_config.json` as they are, a single
-/// `model.safetensors` (adapted weights `W + (alpha/r)·B A` computed in f32 and stored in W's
-/// dtype; every other tensor unchanged), the base's tokenizer files, and the prompt profile
-/// (`envace.json`, the adapter's if it has one, else the base's).
-pub fn merge_adapter(base: &Path, adapter: &Path, out: &Path) -> Result<MergeReport, TrainError> {
-    let files = CheckpointFiles::locate(base)?;
+/// Fold the adapter in `adapter` into its base and write the result to `out` atomically, as a
+/// plain HF checkpoint any engine loads (transformers, vLLM, verl, llama.cpp's converter).
+///
+/// The base is `base` when given, else the one the adapter's config names; the adapter's
+/// recorded base hash is checked either way. An HF base keeps its `config.json` and
+/// `generation_config.json`, its tokenizer files and every tensor it has (adapted weights
+/// `W + (alpha/r)·B A` computed in f32 and stored in W's dtype). A GGUF base (as
+/// `models/smollm2-envace`'s) is dequantized to f32 with llama q/k rows put back in HF order,
+/// and the checkpoint gets a `config.json` describing those tensors and the adapter's own
+/// tokenizer files (the GGUF's tokenizer and chat template as the adapter was trained with).
+/// The prompt profile (`envace.json`) is the adapter's if it has one, else the base's. With
+/// `dtype`, every floating tensor is stored in it (`config.json`'s `torch_dtype` says so).
+pub fn merge_adapter(
+    base: Option<&Path>,
+    adapter: &Path,
+    out: &Path,
+    dtype: Option<DType>,
+) -> Result<MergeReport, TrainError> {
     let (cfg, lora) = read_adapter(adapter)?;
-    cfg.check_base(adapter, base, &base_hash(base)?)?;
-    let mut tensors: HashMap<String, Tensor> = read_safetensors(&files.weights)?
-        .into_iter()
-        .map(|(k, (t, _))| (k, t))
-        .collect();
-    let modules = fold_adapter(&mut tensors, &cfg, &lora, adapter, base)?;
+    let base = match base {
+        Some(b) => b.to_path_buf(),
+        None => cfg.resolve_base(adapter)?,
+    };
+    cfg.check_base(adapter, &base, &base_hash(&base)?)?;
+    // (tensors, config.json, generation_config.json, tokenizer.json whose siblings travel)
+    let gguf = is_gguf(&base);
+    // A GGUF base is dequantized to f32: that is its dtype unless another is asked for.
+    let dtype = dtype.or(gguf.then_some(DType::F32));
+    let (mut tensors, mut config, generation, tokenizer) = if gguf {
+        let (dcfg, tensors, _) = gguf_hf_tensors(&base, &Device::Cpu)?;
+        let tokenizer = adapter.join("tokenizer.json");
+        if !tokenizer.is_file() {
+            return Err(TrainError::Data(format!(
+                "{}: missing; an adapter on a GGUF base carries the tokenizer it was trained with",
+                tokenizer.display()
+            )));
+        }
+        let generation =
+            serde_json::json!({"eos_token_id": dcfg.eos_token_ids, "do_sample": false});
+        (tensors, dcfg.to_hf_json(), Some(generation), tokenizer)
+    } else {
+        let files = CheckpointFiles::locate(&base)?;
+        let tensors: HashMap<String, Tensor> = read_safetensors(&files.weights)?
+            .into_iter()
+            .map(|(k, (t, _))| (k, t))
+            .collect();
+        let config = read_json(&files.config)?;
+        let generation = files
+            .generation_config
+            .as_deref()
+            .map(read_json)
+            .transpose()?;
+        (tensors, config, generation, files.tokenizer.clone())
+    };
+    let modules = fold_adapter(&mut tensors, &cfg, &lora, adapter, &base)?;
+    let dtype_name = match dtype {
+        None => "as base".to_string(),
+        Some(d) => {
+            for t in tensors.values_mut() {
+                if t.dtype().is_float() {
+                    *t = t.to_dtype(d)?;
+                }
+            }
+            let name = torch_dtype(d);
+            if let Some(obj) = config.as_object_mut() {
+                obj.insert("torch_dtype".into(), name.into());
+            }
+            name.to_string()
+        }
+    };
     let profile = [adapter.join("envace.json"), base.join("envace.json")]
         .into_iter()
         .find(|p| p.is_file());
-    let copy = |from: &Path, to: &Path| -> Result<(), checkpoint::CheckpointError> {
-        std::fs::copy(from, to)
-            .map(|_| ())
-            .map_err(|e| checkpoint::CheckpointError::Io {
-                path: from.display().to_string(),
-                message: e.to_string(),
-            })
-    };
     write_atomically(out, |tmp| {
-        copy(&files.config, &tmp.join("config.json"))?;
-        if let Some(g) = &files.generation_config {
-            copy(g, &tmp.join("generation_config.json"))?;
+        checkpoint::write_json(tmp, "config.json", &config)?;
+        if let Some(g) = &generation {
+            checkpoint::write_json(tmp, "generation_config.json", g)?;
         }
-        checkpoint::copy_tokenizer_files(tmp, &files.tokenizer)?;
+        checkpoint::copy_tokenizer_files(tmp, &tokenizer)?;
         if let Some(p) = &profile {
-            copy(p, &tmp.join("envace.json"))?;
+            std::fs::copy(p, tmp.join("envace.json")).map_err(|e| {
+                checkpoint::CheckpointError::Io {
+                    path: p.display().to_string(),
+                    message: e.to_string(),
+                }
+            })?;
         }
         checkpoint::save_tensors(tmp, "model.safetensors", &tensors)
     })?;
     Ok(MergeReport {
         out: out.to_path_buf(),
+        base,
         merged_projections: modules,
         r: cfg.r,
         lora_alpha: cfg.lora_alpha,
         target_modules: cfg.target_modules,
+        dtype: dtype_name,
     })
+}
+
+/// A JSON file, parsed (errors name the file).
+fn read_json(path: &Path) -> Result<serde_json::Value, TrainError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))
+}
+
+/// HF's name of a dtype, as `config.json`'s `torch_dtype` writes it.
+pub fn torch_dtype(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    }
 }
 
 #[cfg(test)]
