@@ -695,11 +695,13 @@ pub struct MergeArgs {
     /// The adapter directory (adapter_config.json + adapter_model.safetensors).
     #[arg(long)]
     pub adapter: PathBuf,
-    /// Output directory (written atomically).
+    /// Output: an HF checkpoint directory, or a `.gguf` file (a GGUF base only; the adapted
+    /// projections quantized, every other tensor as the base stores it). Written atomically.
     #[arg(long)]
     pub out: PathBuf,
-    /// Store the weights as this dtype (default: the base's; f32 for a GGUF base).
-    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    /// Store the weights as this type. An HF directory takes f32, bf16 or f16 (default: the
+    /// base's; f32 for a GGUF base); a .gguf file also the GGUF quantizations (default q8_0).
+    #[arg(long, value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])]
     pub dtype: Option<String>,
 }
 

@@ -472,6 +472,21 @@ fn an_adapter_on_a_base_other_than_its_own_is_refused() {
 fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
     let (dir, base, m, adapter) = trained_adapter();
     let merged = dir.path().join("merged");
+    // A GGUF output needs a GGUF base: refused for this HF one, nothing written.
+    let gguf = dir.path().join("merged.gguf");
+    let e = envace::train::lora::merge_adapter_gguf(
+        Some(&base),
+        &adapter,
+        &gguf,
+        candle_core::quantized::GgmlDType::Q8_0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("GGUF base") && e.contains("convert_hf_to_gguf"),
+        "{e}"
+    );
+    assert!(!gguf.exists());
     let r = merge_adapter(Some(&base), &adapter, &merged, None).unwrap();
     assert_eq!(r.merged_projections, m.decoder.cfg.num_hidden_layers * 7);
     assert!(!dir.path().join("merged.tmp").exists());

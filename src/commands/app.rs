@@ -87,6 +87,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if a.json {
         let mut obj = serde_json::json!({
             "prompt_tokens": gens.first().map_or(0, |g| g.prompt_ids.len()),
+            "prompt_ids": gens.first().map(|g| g.prompt_ids.clone()).unwrap_or_default(),
             "tokens": tokens,
             "tokens_per_s": tokens as f64 / secs.max(1e-9),
             "seconds": secs,

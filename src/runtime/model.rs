@@ -125,9 +125,14 @@ impl LocalModel {
         let mut model = Self::load_on(&base_dir, device, dtype)?;
         cfg.check_base(dir, &base_dir, &model.hash)?;
         // An adapter trained with its own chat template (as `envace pretrain --lora` writes
-        // one beside it) speaks that template, not the base's.
+        // one beside it) speaks that template, not the base's; and it reads text as the
+        // tokenizer saved beside it split it in training (adapters trained on a GGUF base
+        // before 2026-12-07 saw candle's prefix spaces: see `tokenizer_of_gguf`).
         if let Some(template) = template_in_dir(dir)? {
             model.template = template;
+        }
+        if let Some(tokenizer) = tokenizer_in_dir(dir, model.tokenizer.vocab_size())? {
+            model.tokenizer = tokenizer;
         }
         let dt = model.decoder.dtype;
         let tensors = tensors
@@ -325,16 +330,72 @@ fn template_in_dir(dir: &Path) -> Result<Option<ChatTemplate>, RuntimeError> {
     }
 }
 
-/// The tokenizer a GGUF file describes (`tokenizer.ggml.*`).
+/// The tokenizer saved in an adapter directory (`tokenizer.json`, as training writes it), when it
+/// has one; its vocabulary must be the base's (`base_vocab` tokens).
+fn tokenizer_in_dir(dir: &Path, base_vocab: usize) -> Result<Option<Tokenizer>, RuntimeError> {
+    let p = dir.join("tokenizer.json");
+    if !p.is_file() {
+        return Ok(None);
+    }
+    let tokenizer = Tokenizer::from_file(&p)?;
+    if tokenizer.vocab_size() != base_vocab {
+        return Err(RuntimeError::File {
+            path: p.display().to_string(),
+            message: format!(
+                "{} tokens, where the adapter's base has {base_vocab}",
+                tokenizer.vocab_size()
+            ),
+        });
+    }
+    Ok(Some(tokenizer))
+}
+
+/// The tokenizer a GGUF file describes (`tokenizer.ggml.*`), splitting text as llama.cpp does.
+///
+/// candle builds byte-level BPE files whose `tokenizer.ggml.pre` it does not know (`gpt2`,
+/// `smollm`, `starcoder`, …) with a prefix space before every run of text between special
+/// tokens: `<|im_start|>system` became `<|im_start|>`, `Ġsystem` where the model (and
+/// llama.cpp) read `system`, and each `<|im_end|>\n` ended in `ĠĊ`. llama.cpp adds no such
+/// space, and for `smollm` and its kin splits every digit off first (`\p{N}`) — as the models'
+/// own `tokenizer.json` files do (Digits + ByteLevel without a prefix space).
 fn tokenizer_of_gguf(
     path: &Path,
     ct: &candle_core::quantized::gguf_file::Content,
 ) -> Result<Tokenizer, RuntimeError> {
-    let inner = tokenizers::Tokenizer::from_gguf(ct).map_err(|e| RuntimeError::Field {
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    let mut inner = tokenizers::Tokenizer::from_gguf(ct).map_err(|e| RuntimeError::Field {
         path: path.display().to_string(),
         field: "tokenizer.ggml.*".into(),
         message: format!("cannot build tokenizer: {e}"),
     })?;
+    let meta = |k: &str| {
+        ct.metadata
+            .get(k)
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default()
+    };
+    if meta("tokenizer.ggml.model") == "gpt2" {
+        let byte_level = ByteLevel::new(false, true, true);
+        match meta("tokenizer.ggml.pre").as_str() {
+            // candle's own pipelines for these already match their models.
+            "qwen2" | "llama3" | "smaug-bpe" | "lfm2" => {}
+            // llama.cpp: `\p{N}`, then the GPT-2 expression.
+            "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "exaone"
+            | "minerva-7b" => {
+                inner.with_pre_tokenizer(Some(Sequence::new(vec![
+                    Digits::new(true).into(),
+                    byte_level.into(),
+                ])));
+            }
+            // `gpt2` and the rest candle sends to its default: the GPT-2 expression alone.
+            _ => {
+                inner.with_pre_tokenizer(Some(byte_level));
+            }
+        }
+    }
     Ok(Tokenizer::from_inner(inner))
 }
 
@@ -398,6 +459,9 @@ impl TextSide {
             let mut side = Self::load(&base)?;
             if let Some(template) = template_in_dir(path)? {
                 side.template = template;
+            }
+            if let Some(tokenizer) = tokenizer_in_dir(path, side.tokenizer.vocab_size())? {
+                side.tokenizer = tokenizer;
             }
             return Ok(side);
         }

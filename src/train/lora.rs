@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::{GgmlDType, gguf_file};
 use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -22,7 +23,7 @@ use crate::runtime::RuntimeError;
 use crate::runtime::decoder::Decoder;
 use crate::runtime::loader::{
     ADAPTER_WEIGHTS, AdapterConfig, CheckpointFiles, LORA_MODULES, base_hash, gguf_hf_tensors,
-    is_gguf, peft_names, read_adapter, read_safetensors,
+    is_gguf, peft_names, read_adapter, read_safetensors, write_gguf_with,
 };
 
 /// The modules adapted when none are named: the attention projections.
@@ -112,14 +113,14 @@ pub fn init_adapter(
 
 /// Fold the adapter `lora` (read from `adapter` with `cfg`) into the named base `tensors`
 /// (HF names; `base` names their file in errors): each adapted weight becomes `W + (alpha/r)·B A`,
-/// computed in f32 and stored in W's dtype. Returns how many projections it changed.
+/// computed in f32 and stored in W's dtype. Returns the names of the weights it changed.
 pub fn fold_adapter(
     tensors: &mut HashMap<String, Tensor>,
     cfg: &AdapterConfig,
     lora: &HashMap<String, Tensor>,
     adapter: &Path,
     base: &Path,
-) -> Result<usize, RuntimeError> {
+) -> Result<Vec<String>, RuntimeError> {
     let adapter_file = adapter.join(ADAPTER_WEIGHTS);
     let tensor_err = |name: &str, message: String| RuntimeError::Tensor {
         path: adapter_file.display().to_string(),
@@ -140,6 +141,7 @@ pub fn fold_adapter(
     modules.sort();
     modules.dedup();
     let scale = cfg.scale();
+    let mut changed = Vec::with_capacity(modules.len());
     for m in &modules {
         let (an, bn) = peft_names(m);
         let a = lora
@@ -170,9 +172,10 @@ pub fn fold_adapter(
         }
         let delta = (b.to_dtype(DType::F32)?.matmul(&a.to_dtype(DType::F32)?)? * scale)?;
         let merged = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
-        tensors.insert(wn, merged);
+        tensors.insert(wn.clone(), merged);
+        changed.push(wn);
     }
-    Ok(modules.len())
+    Ok(changed)
 }
 
 /// What a merge did.
@@ -281,11 +284,65 @@ pub fn merge_adapter(
     Ok(MergeReport {
         out: out.to_path_buf(),
         base,
-        merged_projections: modules,
+        merged_projections: modules.len(),
         r: cfg.r,
         lora_alpha: cfg.lora_alpha,
         target_modules: cfg.target_modules,
         dtype: dtype_name,
+    })
+}
+
+/// [`merge_adapter`] into a GGUF file instead of an HF directory, for llama.cpp and the engines
+/// that read GGUF: the adapter's base must be a GGUF file (given, or the one the adapter names;
+/// its recorded hash is checked). Every adapted projection is folded in f32 and quantized to
+/// `dtype`; every other tensor (embeddings, norms, the head) is copied as the base stores it.
+/// The file's chat template becomes the adapter's (from its `tokenizer_config.json`), so a
+/// server that renders chats (llama-server's `/v1/chat/completions`) uses the format the model
+/// was fine-tuned in; tokenizer and hyperparameters stay the base's.
+pub fn merge_adapter_gguf(
+    base: Option<&Path>,
+    adapter: &Path,
+    out: &Path,
+    dtype: GgmlDType,
+) -> Result<MergeReport, TrainError> {
+    let (cfg, lora) = read_adapter(adapter)?;
+    let base = match base {
+        Some(b) => b.to_path_buf(),
+        None => cfg.resolve_base(adapter)?,
+    };
+    if !is_gguf(&base) {
+        return Err(TrainError::Data(format!(
+            "{}: a GGUF output needs a GGUF base; merge into an HF directory (an --out without .gguf) and convert it with llama.cpp's convert_hf_to_gguf.py",
+            base.display()
+        )));
+    }
+    cfg.check_base(adapter, &base, &base_hash(&base)?)?;
+    let (_, mut tensors, _) = gguf_hf_tensors(&base, &Device::Cpu)?;
+    let changed = fold_adapter(&mut tensors, &cfg, &lora, adapter, &base)?;
+    let replaced: HashMap<String, Tensor> = changed
+        .iter()
+        .filter_map(|n| tensors.remove(n).map(|t| (n.clone(), t)))
+        .collect();
+    let mut set = Vec::new();
+    let tc = adapter.join("tokenizer_config.json");
+    if tc.is_file() {
+        let v = read_json(&tc)?;
+        if let Some(t) = v.get("chat_template").and_then(|t| t.as_str()) {
+            set.push((
+                "tokenizer.chat_template".to_string(),
+                gguf_file::Value::String(t.to_string()),
+            ));
+        }
+    }
+    write_gguf_with(&base, &replaced, dtype, set, out)?;
+    Ok(MergeReport {
+        out: out.to_path_buf(),
+        base,
+        merged_projections: changed.len(),
+        r: cfg.r,
+        lora_alpha: cfg.lora_alpha,
+        target_modules: cfg.target_modules,
+        dtype: format!("{dtype:?}").to_lowercase(),
     })
 }
 

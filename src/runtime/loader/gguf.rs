@@ -236,6 +236,97 @@ pub fn load_gguf_dense(
     Ok((decoder, ct))
 }
 
+/// Write a copy of the GGUF file `base` to `out` (atomically: a temporary file beside it, then
+/// a rename) in which the tensors named in `replaced` (HF names, dense tensors in HF layout, as
+/// [`gguf_hf_tensors`] gives them) are quantized to `dtype`, llama q/k rows put back in the
+/// file's RoPE order; every other tensor is copied as stored (no requantization), in the file's
+/// order. `set` adds or replaces metadata entries (the chat template of a fine-tuned model).
+/// Written as GGUF v2 with 32-byte alignment, which llama.cpp and candle read.
+pub fn write_gguf_with(
+    base: &Path,
+    replaced: &HashMap<String, Tensor>,
+    dtype: GgmlDType,
+    set: Vec<(String, gguf_file::Value)>,
+    out: &Path,
+) -> Result<(), RuntimeError> {
+    let (mut f, ct, cfg) = read_gguf_header(base)?;
+    let permuted = cfg.rope_interleaved && cfg.family == Family::Llama;
+    let mut infos: Vec<(&String, &gguf_file::TensorInfo)> = ct.tensor_infos.iter().collect();
+    infos.sort_by_key(|(_, i)| i.offset);
+    let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(infos.len());
+    let mut used = 0;
+    for (name, _) in infos {
+        let hf = gguf_to_hf_name(name);
+        let q = match hf.as_ref().and_then(|h| replaced.get(h)) {
+            Some(t) => {
+                used += 1;
+                let terr = |message: String| RuntimeError::Tensor {
+                    path: out.display().to_string(),
+                    name: name.clone(),
+                    message,
+                };
+                let t = t.to_dtype(DType::F32)?;
+                let t = if permuted && name.ends_with("attn_q.weight") {
+                    permute_rope_rows(&t, cfg.num_attention_heads, false)?
+                } else if permuted && name.ends_with("attn_k.weight") {
+                    permute_rope_rows(&t, cfg.num_key_value_heads, false)?
+                } else {
+                    t
+                };
+                let cols = t.dims().last().copied().unwrap_or(0);
+                if !cols.is_multiple_of(dtype.block_size()) {
+                    return Err(terr(format!(
+                        "rows of {cols} values do not split into {dtype:?} blocks of {}: pick a type with smaller blocks (q8_0, q4_1, f16)",
+                        dtype.block_size()
+                    )));
+                }
+                QTensor::quantize(&t, dtype).map_err(|e| terr(format!("cannot quantize: {e}")))?
+            }
+            None => ct
+                .tensor(&mut f, name, &Device::Cpu)
+                .map_err(|e| file_err(base, format!("tensor {name}: {e}")))?,
+        };
+        tensors.push((name.clone(), q));
+    }
+    if used != replaced.len() {
+        let missing: Vec<&String> = replaced
+            .keys()
+            .filter(|h| {
+                !ct.tensor_infos
+                    .keys()
+                    .any(|n| gguf_to_hf_name(n).as_ref() == Some(*h))
+            })
+            .collect();
+        return Err(file_err(base, format!("has no tensor for {missing:?}")));
+    }
+    let mut metadata: Vec<(String, gguf_file::Value)> = ct
+        .metadata
+        .into_iter()
+        // The writer aligns to 32 bytes whatever the source said.
+        .filter(|(k, _)| k != "general.alignment" && !set.iter().any(|(s, _)| s == k))
+        .collect();
+    metadata.extend(set);
+    metadata.sort_by(|a, b| a.0.cmp(&b.0));
+    let tmp = out.with_extension("gguf.tmp");
+    let write = || -> Result<(), RuntimeError> {
+        let mut w = std::io::BufWriter::new(
+            std::fs::File::create(&tmp).map_err(|e| file_err(&tmp, e.to_string()))?,
+        );
+        let meta: Vec<(&str, &gguf_file::Value)> =
+            metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut w, &meta, &ts).map_err(|e| file_err(&tmp, e.to_string()))?;
+        std::io::Write::flush(&mut w).map_err(|e| file_err(&tmp, e.to_string()))?;
+        w.get_ref()
+            .sync_all()
+            .map_err(|e| file_err(&tmp, e.to_string()))?;
+        std::fs::rename(&tmp, out).map_err(|e| file_err(out, e.to_string()))
+    };
+    write().inspect_err(|_| {
+        std::fs::remove_file(&tmp).ok();
+    })
+}
+
 /// Whether a model path is a GGUF file.
 pub fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().and_then(|e| e.to_str()) == Some("gguf")
