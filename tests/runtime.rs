@@ -408,19 +408,20 @@ fn smollm2() -> PathBuf {
     p
 }
 
+/// The Q4_1 135M model is weak: asked "What is the capital of France?" it answers
+/// "L'Étoile, la Marseillaise, …" greedily, as llama.cpp's llama-server does on the same ids
+/// (it answered Paris only while candle's tokenizer put prefix spaces in the prompt). With
+/// "Answer in one word." both answer "The capital of France is Paris." (llama.cpp's first
+/// token by 1.5 nats over the next).
 #[test]
 fn smollm2_gguf_answers_paris_and_its_template_renders() {
     let mut m = LocalModel::load_on(&smollm2(), &Device::Cpu, None).unwrap();
+    let question = "What is the capital of France? Answer in one word.";
     let prompt = m
-        .render_chat(
-            &[Message::user("What is the capital of France?")],
-            &[],
-            true,
-            false,
-        )
+        .render_chat(&[Message::user(question)], &[], true, false)
         .unwrap();
     assert!(
-        prompt.contains("<|im_start|>user\nWhat is the capital of France?<|im_end|>"),
+        prompt.contains(&format!("<|im_start|>user\n{question}<|im_end|>")),
         "{prompt}"
     );
     assert!(prompt.ends_with("<|im_start|>assistant\n"));
