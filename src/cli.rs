@@ -701,8 +701,62 @@ pub struct MergeArgs {
     pub out: PathBuf,
     /// Store the weights as this type. An HF directory takes f32, bf16 or f16 (default: the
     /// base's; f32 for a GGUF base); a .gguf file also the GGUF quantizations (default q8_0).
-    #[arg(long, value_parser = ["f32", "bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])]
-    pub dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<MergeDtype>,
+}
+
+/// `envace merge --dtype`: the dense types an HF directory stores, and the GGUF quantizations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MergeDtype {
+    F32,
+    Bf16,
+    F16,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q4_1")]
+    Q4_1,
+    #[value(name = "q5_0")]
+    Q5_0,
+    #[value(name = "q5_1")]
+    Q5_1,
+    #[value(name = "q4_k")]
+    Q4K,
+    #[value(name = "q5_k")]
+    Q5K,
+    #[value(name = "q6_k")]
+    Q6K,
+}
+
+impl MergeDtype {
+    /// The type as a GGUF tensor type.
+    pub fn ggml(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType as G;
+        match self {
+            Self::F32 => G::F32,
+            Self::Bf16 => G::BF16,
+            Self::F16 => G::F16,
+            Self::Q8_0 => G::Q8_0,
+            Self::Q4_0 => G::Q4_0,
+            Self::Q4_1 => G::Q4_1,
+            Self::Q5_0 => G::Q5_0,
+            Self::Q5_1 => G::Q5_1,
+            Self::Q4K => G::Q4K,
+            Self::Q5K => G::Q5K,
+            Self::Q6K => G::Q6K,
+        }
+    }
+
+    /// The type as a dense tensor type (what safetensors in an HF directory hold), if it is one.
+    pub fn dense(self) -> Option<candle_core::DType> {
+        match self {
+            Self::F32 => Some(candle_core::DType::F32),
+            Self::Bf16 => Some(candle_core::DType::BF16),
+            Self::F16 => Some(candle_core::DType::F16),
+            _ => None,
+        }
+    }
 }
 
 /// `envace tui`.

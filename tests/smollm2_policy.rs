@@ -296,8 +296,9 @@ fn merging_the_shipped_adapter_into_its_gguf_base_writes_hf_and_gguf_checkpoints
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let adapter = root.join("models/smollm2-envace");
     let tmp = tempfile::tempdir().unwrap();
-    let merge = |out: &Path, extra: &[&str]| {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+    // `envace merge` of the shipped adapter into `out`: its status and stderr, and its report.
+    let merge_run = |out: &Path, extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_envace"))
             .arg("merge")
             .arg("--adapter")
             .arg(&adapter)
@@ -306,8 +307,27 @@ fn merging_the_shipped_adapter_into_its_gguf_base_writes_hf_and_gguf_checkpoints
             .args(extra)
             .output()
             .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+            o.stdout,
+        )
+    };
+    let merge = |out: &Path, extra: &[&str]| {
+        let (ok, stderr, stdout) = merge_run(out, extra);
+        assert!(ok, "{stderr}");
+        serde_json::from_slice::<serde_json::Value>(&stdout).unwrap()
+    };
+    // A refused merge: its error, and nothing written at `out` or beside it.
+    let refused = |out: &Path, extra: &[&str]| {
+        let (ok, stderr, _) = merge_run(out, extra);
+        assert!(
+            !ok,
+            "merge {extra:?} into {} was not refused",
+            out.display()
+        );
+        assert!(!out.exists() && !out.with_extension("gguf.tmp").exists());
+        stderr
     };
     let f32_dir = tmp.path().join("merged");
     let report = merge(&f32_dir, &[]);
@@ -445,40 +465,12 @@ fn merging_the_shipped_adapter_into_its_gguf_base_writes_hf_and_gguf_checkpoints
     assert!(d < 2.0, "merged GGUF: max abs logit diff {d}");
     assert_eq!(last_argmax(&reference), last_argmax(&q));
     // SmolLM2's rows of 576 do not split into the k-quants' blocks of 256: a clear refusal.
-    let kq = tmp.path().join("k.gguf");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
-        .args(["merge", "--dtype", "q4_k", "--out"])
-        .arg(&kq)
-        .arg("--adapter")
-        .arg(&adapter)
-        .output()
-        .unwrap();
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && e.contains("576") && e.contains("q8_0"),
-        "{e}"
-    );
-    assert!(!kq.exists() && !tmp.path().join("k.gguf.tmp").exists());
-    // An HF directory cannot hold a GGUF quantization; a GGUF output needs a GGUF base.
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
-        .args(["merge", "--dtype", "q8_0", "--out"])
-        .arg(tmp.path().join("never"))
-        .arg("--adapter")
-        .arg(&adapter)
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains(".gguf"));
-    assert!(!tmp.path().join("never").exists());
+    let e = refused(&tmp.path().join("k.gguf"), &["--dtype", "q4_k"]);
+    assert!(e.contains("576") && e.contains("q8_0"), "{e}");
+    // An HF directory cannot hold a GGUF quantization.
+    let e = refused(&tmp.path().join("never"), &["--dtype", "q8_0"]);
+    assert!(e.contains("q8_0") && e.contains(".gguf"), "{e}");
     // A dtype the flag does not know is refused before anything is written.
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
-        .args(["merge", "--dtype", "int8", "--out"])
-        .arg(tmp.path().join("never"))
-        .arg("--adapter")
-        .arg(&adapter)
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("int8"));
-    assert!(!tmp.path().join("never").exists());
+    let e = refused(&tmp.path().join("never"), &["--dtype", "int8"]);
+    assert!(e.contains("int8"), "{e}");
 }

@@ -816,6 +816,29 @@ fn envace(args: &[&std::ffi::OsStr]) -> std::process::Output {
 }
 
 /// Its stdout as JSON, after asserting that it succeeded.
+/// A two-step `envace pretrain --init init --out out` on a tiny corpus (seed 3, batch 2, 3 tasks
+/// per domain, JSON report) at learning rate `lr`, with `extra` flags.
+fn short_pretrain(init: &Path, out: &Path, lr: &str, extra: &[&str]) -> std::process::Output {
+    use std::ffi::OsStr;
+    let mut args: Vec<&OsStr> = vec!["pretrain".as_ref(), "--init".as_ref()];
+    args.extend([init.as_os_str(), "--out".as_ref(), out.as_os_str()]);
+    let fixed = [
+        "--seed",
+        "3",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--lr",
+        lr,
+        "--tasks-per-domain",
+        "3",
+        "--json",
+    ];
+    args.extend(fixed.iter().chain(extra).map(|a| OsStr::new(*a)));
+    envace(&args)
+}
+
 fn ok_json(out: &std::process::Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -836,30 +859,15 @@ fn a_pretrain_continuation_keeps_the_tokenizer_and_records_its_lineage() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("cont");
     let pretrain = |init: &Path, out: &Path| {
-        let mut args: Vec<&std::ffi::OsStr> = vec!["pretrain".as_ref(), "--init".as_ref()];
-        args.extend([init.as_os_str(), "--out".as_ref(), out.as_os_str()]);
-        for a in [
-            "--seed",
-            "3",
-            "--steps",
-            "2",
-            "--batch",
-            "2",
-            "--lr",
-            "1e-4",
-            "--tasks-per-domain",
-            "3",
+        let extra = [
             "--copy-per-task",
             "1",
             "--random-copy",
             "0.5",
             "--random-entities",
             "1",
-            "--json",
-        ] {
-            args.push(a.as_ref());
-        }
-        envace(&args)
+        ];
+        short_pretrain(init, out, "1e-4", &extra)
     };
     let report = ok_json(&pretrain(&bundled, &out));
     assert_eq!(report["sft"]["steps"], 2, "{report}");
@@ -977,33 +985,11 @@ fn training_commands_run_with_the_training_allocator_settings() {
 /// same `--init` stays an adapter. `--full` without `--init`, or with `--lora`, is refused.
 #[test]
 fn pretrain_full_from_an_adapter_writes_a_plain_checkpoint_of_every_weight() {
-    use std::ffi::OsStr;
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let bundled = root.join("models/envace-tiny");
     let tmp = tempfile::tempdir().unwrap();
-    let pretrain = |init: &Path, out: &Path, extra: &[&str]| {
-        let mut args: Vec<&OsStr> = vec!["pretrain".as_ref(), "--init".as_ref()];
-        args.extend([init.as_os_str(), "--out".as_ref(), out.as_os_str()]);
-        for a in [
-            "--seed",
-            "3",
-            "--steps",
-            "2",
-            "--batch",
-            "2",
-            "--lr",
-            "1e-3",
-            "--tasks-per-domain",
-            "3",
-            "--json",
-        ]
-        .iter()
-        .chain(extra)
-        {
-            args.push(a.as_ref());
-        }
-        envace(&args)
-    };
+    let pretrain =
+        |init: &Path, out: &Path, extra: &[&str]| short_pretrain(init, out, "1e-3", extra);
     let adapter = tmp.path().join("adapter");
     ok_json(&pretrain(&bundled, &adapter, &["--lora", "4"]));
     assert!(adapter.join("adapter_config.json").is_file());

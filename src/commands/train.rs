@@ -197,34 +197,22 @@ pub fn train_sft(a: SftArgs) -> Result<()> {
 
 /// `envace merge`.
 pub fn merge(a: MergeArgs) -> Result<()> {
-    use candle_core::DType;
-    use candle_core::quantized::GgmlDType as G;
     use envace::train::lora::{merge_adapter, merge_adapter_gguf};
     let gguf = a.out.extension().and_then(|e| e.to_str()) == Some("gguf");
     let r = if gguf {
-        let dtype = match a.dtype.as_deref().unwrap_or("q8_0") {
-            "f32" => G::F32,
-            "f16" => G::F16,
-            "bf16" => G::BF16,
-            "q4_0" => G::Q4_0,
-            "q4_1" => G::Q4_1,
-            "q5_0" => G::Q5_0,
-            "q5_1" => G::Q5_1,
-            "q4_k" => G::Q4K,
-            "q5_k" => G::Q5K,
-            "q6_k" => G::Q6K,
-            _ => G::Q8_0,
-        };
+        let dtype = a.dtype.unwrap_or(crate::cli::MergeDtype::Q8_0).ggml();
         merge_adapter_gguf(a.model.as_deref(), &a.adapter, &a.out, dtype)?
     } else {
-        let dtype = match a.dtype.as_deref() {
+        let dtype = match a.dtype {
             None => None,
-            Some("f32") => Some(DType::F32),
-            Some("bf16") => Some(DType::BF16),
-            Some("f16") => Some(DType::F16),
-            Some(other) => anyhow::bail!(
-                "--dtype {other}: an HF checkpoint directory stores f32, bf16 or f16; GGUF quantizations need an --out ending in .gguf"
-            ),
+            Some(d) => Some(d.dense().ok_or_else(|| {
+                let name = clap::ValueEnum::to_possible_value(&d)
+                    .map(|v| v.get_name().to_string())
+                    .unwrap_or_default();
+                anyhow::anyhow!(
+                    "--dtype {name}: an HF checkpoint directory stores f32, bf16 or f16; GGUF quantizations need an --out ending in .gguf"
+                )
+            })?),
         };
         merge_adapter(a.model.as_deref(), &a.adapter, &a.out, dtype)?
     };

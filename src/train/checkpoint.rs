@@ -117,6 +117,11 @@ pub fn save_tensors(
     candle_core::safetensors::save(&cpu, dir.join(file)).map_err(|e| io(&dir.join(file), e))
 }
 
+/// The `generation_config.json` of a checkpoint envace writes: its end-of-turn tokens, greedy.
+pub fn generation_config_json(cfg: &DecoderConfig) -> Value {
+    serde_json::json!({"eos_token_id": cfg.eos_token_ids, "do_sample": false})
+}
+
 /// Write a checkpoint directory atomically.
 pub fn save(
     dir: &Path,
@@ -128,11 +133,7 @@ pub fn save(
 ) -> Result<(), CheckpointError> {
     write_atomically(dir, |tmp| {
         write_json(tmp, "config.json", &cfg.to_hf_json())?;
-        write_json(
-            tmp,
-            "generation_config.json",
-            &serde_json::json!({"eos_token_id": cfg.eos_token_ids, "do_sample": false}),
-        )?;
+        write_json(tmp, "generation_config.json", &generation_config_json(cfg))?;
         copy_tokenizer_files(tmp, tokenizer_json)?;
         save_tensors(tmp, "model.safetensors", weights)?;
         if let Some(opt) = optimizer {

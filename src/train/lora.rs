@@ -178,6 +178,21 @@ pub fn fold_adapter(
     Ok(changed)
 }
 
+/// An adapter read with its base resolved (`base` when given, else the one its config names) and
+/// checked against the base hash the adapter recorded: what every fold of it starts from.
+pub fn adapter_on_checked_base(
+    adapter: &Path,
+    base: Option<&Path>,
+) -> Result<(AdapterConfig, HashMap<String, Tensor>, PathBuf), RuntimeError> {
+    let (cfg, lora) = read_adapter(adapter)?;
+    let base = match base {
+        Some(b) => b.to_path_buf(),
+        None => cfg.resolve_base(adapter)?,
+    };
+    cfg.check_base(adapter, &base, &base_hash(&base)?)?;
+    Ok((cfg, lora, base))
+}
+
 /// What a merge did.
 #[derive(Debug, Clone, Serialize)]
 pub struct MergeReport {
@@ -210,12 +225,7 @@ pub fn merge_adapter(
     out: &Path,
     dtype: Option<DType>,
 ) -> Result<MergeReport, TrainError> {
-    let (cfg, lora) = read_adapter(adapter)?;
-    let base = match base {
-        Some(b) => b.to_path_buf(),
-        None => cfg.resolve_base(adapter)?,
-    };
-    cfg.check_base(adapter, &base, &base_hash(&base)?)?;
+    let (cfg, lora, base) = adapter_on_checked_base(adapter, base)?;
     // (tensors, config.json, generation_config.json, tokenizer.json whose siblings travel)
     let gguf = is_gguf(&base);
     // A GGUF base is dequantized to f32: that is its dtype unless another is asked for.
@@ -229,8 +239,7 @@ pub fn merge_adapter(
                 tokenizer.display()
             )));
         }
-        let generation =
-            serde_json::json!({"eos_token_id": dcfg.eos_token_ids, "do_sample": false});
+        let generation = checkpoint::generation_config_json(&dcfg);
         (tensors, dcfg.to_hf_json(), Some(generation), tokenizer)
     } else {
         let files = CheckpointFiles::locate(&base)?;
@@ -305,18 +314,13 @@ pub fn merge_adapter_gguf(
     out: &Path,
     dtype: GgmlDType,
 ) -> Result<MergeReport, TrainError> {
-    let (cfg, lora) = read_adapter(adapter)?;
-    let base = match base {
-        Some(b) => b.to_path_buf(),
-        None => cfg.resolve_base(adapter)?,
-    };
+    let (cfg, lora, base) = adapter_on_checked_base(adapter, base)?;
     if !is_gguf(&base) {
         return Err(TrainError::Data(format!(
             "{}: a GGUF output needs a GGUF base; merge into an HF directory (an --out without .gguf) and convert it with llama.cpp's convert_hf_to_gguf.py",
             base.display()
         )));
     }
-    cfg.check_base(adapter, &base, &base_hash(&base)?)?;
     let (_, mut tensors, _) = gguf_hf_tensors(&base, &Device::Cpu)?;
     let changed = fold_adapter(&mut tensors, &cfg, &lora, adapter, &base)?;
     let replaced: HashMap<String, Tensor> = changed

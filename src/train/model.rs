@@ -19,7 +19,7 @@ use crate::runtime::loader::{
     gguf_hf_tensors, hf_tensors, is_adapter_dir, is_gguf, load_gguf_dense, load_hf, read_adapter,
 };
 use crate::runtime::train_pass;
-use crate::train::lora::{LoraConfig, fold_adapter, init_adapter};
+use crate::train::lora::{LoraConfig, adapter_on_checked_base, fold_adapter, init_adapter};
 
 /// A trainable decoder.
 pub struct TrainableModel {
@@ -62,9 +62,7 @@ impl TrainableModel {
     /// the weights (as `envace merge` does), every weight trainable (f32). The model then trains
     /// and saves as a plain checkpoint; the adapter's tokenizer and template stay the caller's.
     pub fn load_folded(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
-        let (acfg, lora) = read_adapter(dir)?;
-        let base = acfg.resolve_base(dir)?;
-        acfg.check_base(dir, &base, &base_hash(&base)?)?;
+        let (acfg, lora, base) = adapter_on_checked_base(dir, None)?;
         let (cfg, mut named) = if is_gguf(&base) {
             let (cfg, tensors, _) = gguf_hf_tensors(&base, device)?;
             let named = tensors
