@@ -114,7 +114,29 @@ pub fn save_tensors(
         .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
         .collect::<candle_core::Result<_>>()
         .map_err(|e| io(dir, e))?;
-    candle_core::safetensors::save(&cpu, dir.join(file)).map_err(|e| io(&dir.join(file), e))
+    let path = dir.join(file);
+    candle_core::safetensors::save(&cpu, &path).map_err(|e| io(&path, e))?;
+    readable_like_dir(dir, &path)
+}
+
+/// The safetensors crate writes through a private temporary file (mode 0600), so a saved
+/// checkpoint was readable by its owner only, unlike the JSON files beside it. Give the file the
+/// mode a new file in `dir` gets: the directory's (`0777 & !umask`) without execute bits.
+fn readable_like_dir(dir: &Path, path: &Path) -> Result<(), CheckpointError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir)
+            .map_err(|e| io(dir, e))?
+            .permissions()
+            .mode()
+            & 0o666;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| io(path, e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = (dir, path);
+    Ok(())
 }
 
 /// The `generation_config.json` of a checkpoint envace writes: its end-of-turn tokens, greedy.
@@ -303,4 +325,27 @@ pub fn load_for_resume(dir: &Path, device: &Device) -> Result<Loaded, Checkpoint
         state,
         optimizer,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn saved_tensors_are_as_readable_as_the_files_beside_them() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("ckpt");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        let t = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let tensors = HashMap::from([("w".to_string(), t)]);
+        save_tensors(&dir, "model.safetensors", &tensors).unwrap();
+        let mode = |f: &str| std::fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode("model.safetensors"), mode("config.json"));
+        let back =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        assert_eq!(back["w"].dims(), &[2, 3]);
+    }
 }
