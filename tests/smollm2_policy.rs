@@ -1,6 +1,6 @@
 //! The shipped SmolLM2 policy (models/smollm2-envace: a LoRA adapter naming its base GGUF
-//! relative to itself) loads from a fresh clone once scripts/fetch-fixtures has run, and plays a
-//! test task it solves in the README's table (bank-test-0000) through the release binary in
+//! relative to itself) loads from a fresh clone once scripts/fetch-fixtures has run, and plays
+//! the TUI's default test task (bank-test-0007) to success through the release binary in
 //! shadow mode, recording its tool rendering in the session header; the GGUF's text is split as
 //! llama.cpp splits it; and `envace merge` exports the policy for other engines (HF and GGUF).
 
@@ -55,10 +55,13 @@ fn play_shipped(dir: &Path, task: &str, extra: &[&str]) -> (Output, PathBuf) {
     (o, out)
 }
 
+/// bank-test-0007 is the TUI's default task ("Pay 147 to the tailor with card card_220.": the
+/// card is frozen, the user then asks to unfreeze it and pay again); the payee is a held-out
+/// word the model must copy (`tailor`, not `the tailor`).
 #[test]
-fn the_shipped_smollm2_adapter_solves_a_test_task_in_shadow_mode() {
+fn the_shipped_smollm2_adapter_solves_the_tuis_default_task_in_shadow_mode() {
     let dir = tempfile::tempdir().unwrap();
-    let (o, out) = play_shipped(dir.path(), "bank-test-0000", &["--json"]);
+    let (o, out) = play_shipped(dir.path(), "bank-test-0007", &["--json"]);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{stderr}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -71,6 +74,16 @@ fn the_shipped_smollm2_adapter_solves_a_test_task_in_shadow_mode() {
             .is_some_and(|a| a.ends_with("smollm2-envace"))
     );
     assert_eq!(s.header.model.tool_rendering.as_deref(), Some("template"));
+    let paid: Vec<&serde_json::Value> = s
+        .events
+        .iter()
+        .filter_map(|e| match &e.event {
+            EventBody::Real { call, .. } if call.name == "card_pay" => Some(&call.arguments),
+            _ => None,
+        })
+        .collect();
+    assert!(!paid.is_empty());
+    assert!(paid.iter().all(|a| a["payee"] == "tailor"), "{paid:?}");
 }
 
 /// Constrained decoding (`SamplingParams::tool_names`) on the shipped policy: asked to create a
@@ -163,7 +176,7 @@ fn the_copy_probe_prompt_is_the_engines_prompt_for_bank_test_0007() {
     let dir = tempfile::tempdir().unwrap();
     let (o, out) = play_shipped(dir.path(), "bank-test-0007", &["--max-turns", "1"]);
     let stderr = String::from_utf8_lossy(&o.stderr);
-    // Played to its end, solved or not (the shipped policy pays `the tailor` here).
+    // Played to its end (one turn: the card is frozen, the call fails).
     assert!(matches!(o.status.code(), Some(0 | 1)), "{stderr}");
     let session = envace::session::read_session(&out).unwrap();
     let generation = session
@@ -269,17 +282,41 @@ fn the_smollm2_gguf_tokenizes_as_llama_cpp_does() {
             "{text:?} round trip"
         );
     }
-    // An adapter reads text as it was trained to: the shipped SmolLM2 adapter was trained with
-    // candle's prefix spaces, and its saved tokenizer keeps them (tokenizer, not base).
-    let adapter = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/smollm2-envace");
-    let own = TextSide::load(&adapter).unwrap();
+    // An adapter reads text as it was trained to, with the tokenizer saved beside it, not the
+    // base's: the shipped adapter was trained on llama.cpp's splitting; the adapters before it on
+    // candle's prefix spaces, which a copy of it with such a tokenizer must keep.
+    let adapter = root().join("models/smollm2-envace");
+    let shipped = TextSide::load(&adapter).unwrap();
+    assert_eq!(
+        shipped.tokenizer.encode("<|im_start|>system\n").unwrap(),
+        [1, 9690, 198]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let old = dir.path().join("prefix-space-adapter");
+    std::fs::create_dir(&old).unwrap();
+    for f in std::fs::read_dir(&adapter).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, old.join(f.file_name().unwrap())).unwrap();
+    }
+    let base = smollm2().display().to_string();
+    for (file, key) in [
+        ("adapter_config.json", "base_model_name_or_path"),
+        ("envace_base.json", "base"),
+    ] {
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(old.join(file)).unwrap()).unwrap();
+        v[key] = serde_json::json!(base);
+        std::fs::write(old.join(file), v.to_string()).unwrap();
+    }
+    let mut tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(old.join("tokenizer.json")).unwrap()).unwrap();
+    tok["pre_tokenizer"] = serde_json::json!({"type": "ByteLevel", "add_prefix_space": true,
+        "trim_offsets": true, "use_regex": true});
+    std::fs::write(old.join("tokenizer.json"), tok.to_string()).unwrap();
+    let own = TextSide::load(&old).unwrap();
     assert_eq!(
         own.tokenizer.encode("<|im_start|>system\n").unwrap(),
         [1, 817, 198]
-    );
-    assert_eq!(
-        side.tokenizer.encode("<|im_start|>system\n").unwrap(),
-        [1, 9690, 198]
     );
 }
 
