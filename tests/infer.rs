@@ -4,6 +4,9 @@
 //! batched with left padding, and on the SmolLM2 GGUF when it has been fetched.
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+mod common;
+use common::smollm2_gguf;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -267,17 +270,6 @@ fn forked_branches_share_the_prefix_and_decode_exactly_like_the_row_alone() {
             assert!(max_abs_diff(x, y) < 1e-4);
         }
     }
-}
-
-fn smollm2_gguf() -> PathBuf {
-    let p =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} is missing: run scripts/fetch-fixtures (scripts/test does)",
-        p.display()
-    );
-    p
 }
 
 #[test]

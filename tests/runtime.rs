@@ -3,6 +3,9 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+mod common;
+use common::{max_abs_diff, smollm2_gguf as smollm2};
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -32,19 +35,6 @@ fn weights_as_vb(cfg: &DecoderConfig, seed: u64) -> (HashMap<String, Tensor>, Va
     let w = random_weights(cfg, seed, 0.15).unwrap();
     let vb = VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu);
     (w, vb)
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Last-position logits of the stock candle-transformers model on the same weights.
@@ -395,17 +385,6 @@ fn chat_template_renders_tools_and_tool_calls_like_hf() {
         "<|im_start|>user\n<tool_response>\n{\"balance\": 40}\n</tool_response><|im_end|>\n"
     ));
     assert!(out.ends_with("<|im_start|>assistant\n"));
-}
-
-fn smollm2() -> PathBuf {
-    let p =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "fixture {} is missing: run scripts/fetch-fixtures",
-        p.display()
-    );
-    p
 }
 
 /// The Q4_1 135M model is weak: asked "What is the capital of France?" it answers

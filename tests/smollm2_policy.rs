@@ -7,6 +7,9 @@
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::{max_abs_diff, smollm2_gguf as smollm2};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -200,29 +203,6 @@ fn the_copy_probe_prompt_is_the_engines_prompt_for_bank_test_0007() {
     assert_eq!(head, &response[..head.len()]);
     let decoded = tok.decode(head, false).unwrap();
     assert!(decoded.ends_with("\"payee\":"), "{decoded}");
-}
-
-fn smollm2() -> PathBuf {
-    let p = root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "fixture {} is missing: run scripts/fetch-fixtures",
-        p.display()
-    );
-    p
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// The SmolLM2 GGUF reads text as llama.cpp does: no prefix space before a run of text after a
