@@ -1,6 +1,6 @@
-//! Helpers shared by the integration test crates that load the SmolLM2 fixture: one place that
-//! names the fixture's path and fails with what to run when it is missing, and one tensor
-//! comparison. Each crate compiles this module on its own and uses part of it.
+//! Helpers shared by integration test crates: the SmolLM2 fixture's path (failing with what to
+//! run when it is missing), one tensor comparison, and running the release binary. Each crate
+//! compiles this module on its own and uses part of it.
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used, dead_code)]
@@ -33,4 +33,25 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
         .to_scalar::<f32>()
         .unwrap()
+}
+
+/// Run the envace binary from the repository root (one thread); its output, whatever the exit
+/// status.
+pub fn envace(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_envace"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap()
+}
+
+/// A command's stdout as JSON, after asserting that it succeeded.
+pub fn ok_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
