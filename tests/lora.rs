@@ -5,6 +5,9 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+mod common;
+use common::max_abs_diff;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -100,19 +103,6 @@ fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
 /// The decoder's dense weights by HF name (what a full checkpoint would hold).
 fn decoder_weights(d: &Decoder) -> HashMap<String, Vec<f32>> {
     let mut out: HashMap<String, Vec<f32>> = d
@@ -174,7 +164,7 @@ fn lora_gradients_fused_equal_slow() {
         let scale = flat(b).iter().fold(0f32, |m, x| m.max(x.abs()));
         assert!(scale > 0.0, "{n}: zero gradient");
         assert!(
-            max_diff(a, b) <= 1e-4 * scale.max(1e-3),
+            max_abs_diff(a, b) <= 1e-4 * scale.max(1e-3),
             "{n}: fused and slow differ"
         );
     }
@@ -215,7 +205,7 @@ fn lora_trains_only_the_adapters_and_leaves_the_base_bit_identical() {
     let plain = LocalModel::load_on(&base, &Device::Cpu, None).unwrap();
     let ids = [5u32, 17, 99, 3, 42, 7];
     assert_eq!(
-        max_diff(&logits(&m.decoder, &ids), &logits(&plain.decoder, &ids)),
+        max_abs_diff(&logits(&m.decoder, &ids), &logits(&plain.decoder, &ids)),
         0.0
     );
     // Gradients reach every adapter tensor and no base tensor.
@@ -512,8 +502,8 @@ fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
         match (a, b) {
             (Some(a), Some(b)) => {
                 let want = (w + (b.matmul(a).unwrap() * scale).unwrap()).unwrap();
-                assert!(max_diff(&want, &w1[n]) < 1e-6, "{n}");
-                assert!(max_diff(w, &w1[n]) > 0.0, "{n} unchanged");
+                assert!(max_abs_diff(&want, &w1[n]) < 1e-6, "{n}");
+                assert!(max_abs_diff(w, &w1[n]) > 0.0, "{n} unchanged");
             }
             _ => assert_eq!(flat(w), flat(&w1[n]), "{n}"),
         }
@@ -540,10 +530,10 @@ fn merge_equals_base_plus_scaled_ba_in_weights_and_logits() {
             .decoder,
         &ids,
     );
-    assert!(max_diff(&adapted, &from_merged) < 1e-4);
-    assert!(max_diff(&adapted, &from_adapter) < 1e-4);
+    assert!(max_abs_diff(&adapted, &from_merged) < 1e-4);
+    assert!(max_abs_diff(&adapted, &from_adapter) < 1e-4);
     assert!(
-        max_diff(&adapted, &plain) > 1e-3,
+        max_abs_diff(&adapted, &plain) > 1e-3,
         "the adapter changed nothing"
     );
 }
@@ -562,7 +552,7 @@ fn full_fine_tuning_from_an_adapter_starts_at_the_adapted_model_and_trains_every
         "every weight trains"
     );
     let ids = [1u32, 40, 7, 200, 13, 13, 90, 5];
-    assert!(max_diff(&logits(&m.decoder, &ids), &logits(&full.decoder, &ids)) < 1e-4);
+    assert!(max_abs_diff(&logits(&m.decoder, &ids), &logits(&full.decoder, &ids)) < 1e-4);
     let before = decoder_weights(&full.decoder);
     let fin = sft_run(&full, &base, 2, &dir.path().join("full"));
     assert!(fin.join("model.safetensors").is_file());
