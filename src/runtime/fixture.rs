@@ -220,11 +220,42 @@ pub fn write_checkpoint(
     )?;
     let path = dir.join("model.safetensors");
     let tmp = dir.join("model.safetensors.tmp");
-    candle_core::safetensors::save(weights, &tmp)?;
+    save_safetensors(dir, &tmp, weights)?;
     std::fs::rename(&tmp, &path).map_err(|e| RuntimeError::File {
         path: path.display().to_string(),
         message: e.to_string(),
     })
+}
+
+/// Save `tensors` to `path` (a file in `dir`) as safetensors, as readable as the files beside
+/// it. The safetensors crate writes through a private temporary file (mode 0600), so a saved
+/// checkpoint was readable by its owner only, unlike the JSON files next to it; the file gets
+/// the mode a new file in `dir` gets: the directory's (`0777 & !umask`) without execute bits.
+/// Every safetensors file envace writes goes through here.
+pub fn save_safetensors(
+    dir: &Path,
+    path: &Path,
+    tensors: &HashMap<String, Tensor>,
+) -> Result<(), RuntimeError> {
+    let file_error = |path: &Path, e: &dyn std::fmt::Display| RuntimeError::File {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    candle_core::safetensors::save(tensors, path).map_err(|e| file_error(path, &e))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir)
+            .map_err(|e| file_error(dir, &e))?
+            .permissions()
+            .mode()
+            & 0o666;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| file_error(path, &e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
 }
 
 /// A tiny seeded checkpoint of `family` (byte-level tokenizer, ChatML template).
@@ -237,4 +268,21 @@ pub fn write_tiny_checkpoint(
     let w = random_weights(&cfg, seed, 0.15)?;
     write_checkpoint(dir, &cfg, &w, &byte_level_tokenizer_json(&[]))?;
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn a_written_checkpoints_weights_are_as_readable_as_its_json_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("tiny");
+        write_tiny_checkpoint(&dir, Family::Llama, 0).unwrap();
+        let mode = |f: &str| std::fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode("model.safetensors"), mode("config.json"));
+        assert!(!dir.join("model.safetensors.tmp").exists());
+    }
 }

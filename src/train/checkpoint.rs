@@ -115,28 +115,13 @@ pub fn save_tensors(
         .collect::<candle_core::Result<_>>()
         .map_err(|e| io(dir, e))?;
     let path = dir.join(file);
-    candle_core::safetensors::save(&cpu, &path).map_err(|e| io(&path, e))?;
-    readable_like_dir(dir, &path)
-}
-
-/// The safetensors crate writes through a private temporary file (mode 0600), so a saved
-/// checkpoint was readable by its owner only, unlike the JSON files beside it. Give the file the
-/// mode a new file in `dir` gets: the directory's (`0777 & !umask`) without execute bits.
-fn readable_like_dir(dir: &Path, path: &Path) -> Result<(), CheckpointError> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(dir)
-            .map_err(|e| io(dir, e))?
-            .permissions()
-            .mode()
-            & 0o666;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| io(path, e))?;
-    }
-    #[cfg(not(unix))]
-    let _ = (dir, path);
-    Ok(())
+    crate::runtime::fixture::save_safetensors(dir, &path, &cpu).map_err(|e| match e {
+        // Already names the file.
+        crate::runtime::RuntimeError::File { path, message } => {
+            CheckpointError::Io { path, message }
+        }
+        other => io(&path, other),
+    })
 }
 
 /// The `generation_config.json` of a checkpoint envace writes: its end-of-turn tokens, greedy.
