@@ -20,6 +20,8 @@ pub mod openai;
 pub mod par;
 pub mod quant_tiles;
 pub mod sampler;
+#[cfg(test)]
+pub(crate) mod test_util;
 pub mod tokenizer;
 pub mod tool_format;
 pub mod tool_guard;

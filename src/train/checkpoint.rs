@@ -23,6 +23,9 @@ pub enum CheckpointError {
     Io { path: String, message: String },
     #[error("{path}: incomplete or corrupt checkpoint: {message}")]
     Corrupt { path: String, message: String },
+    /// Writing a weights file (the error names it).
+    #[error(transparent)]
+    Weights(#[from] crate::runtime::RuntimeError),
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
@@ -115,13 +118,7 @@ pub fn save_tensors(
         .collect::<candle_core::Result<_>>()
         .map_err(|e| io(dir, e))?;
     let path = dir.join(file);
-    crate::runtime::fixture::save_safetensors(dir, &path, &cpu).map_err(|e| match e {
-        // Already names the file.
-        crate::runtime::RuntimeError::File { path, message } => {
-            CheckpointError::Io { path, message }
-        }
-        other => io(&path, other),
-    })
+    Ok(crate::runtime::fixture::save_safetensors(dir, &path, &cpu)?)
 }
 
 /// The `generation_config.json` of a checkpoint envace writes: its end-of-turn tokens, greedy.
@@ -332,5 +329,11 @@ mod tests {
         let back =
             candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
         assert_eq!(back["w"].dims(), &[2, 3]);
+        // A file that cannot be written: the error names it.
+        let missing = root.path().join("missing").join("model.safetensors");
+        let err = save_tensors(&root.path().join("missing"), "model.safetensors", &tensors)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with(&missing.display().to_string()), "{err}");
     }
 }

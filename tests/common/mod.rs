@@ -1,6 +1,7 @@
 //! Helpers shared by integration test crates: the SmolLM2 fixture's path (failing with what to
 //! run when it is missing), one tensor comparison, and running the release binary. Each crate
-//! compiles this module on its own and uses part of it.
+//! compiles this module on its own and uses part of it. (The library's unit tests have their
+//! own `max_abs_diff` in src/runtime/test_util.rs: a test crate cannot see `cfg(test)` items.)
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used, dead_code)]

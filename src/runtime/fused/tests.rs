@@ -2,6 +2,7 @@
 //! override, and the optimizer against its tensor formula.
 
 use super::*;
+use crate::runtime::test_util::max_abs_diff;
 use candle_core::{Device, Var};
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
@@ -19,19 +20,6 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
         })
         .collect();
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 #[test]
@@ -87,8 +75,16 @@ fn rms_norm_backward_matches_slow_on_a_large_parallel_batch() {
     };
     let (fx, fw) = run(Kernels::Fused);
     let (sx, sw) = run(Kernels::Slow);
-    assert!(max_diff(&fx, &sx) < 1e-4, "dx {}", max_diff(&fx, &sx));
-    assert!(max_diff(&fw, &sw) < 1e-3, "dw {}", max_diff(&fw, &sw));
+    assert!(
+        max_abs_diff(&fx, &sx) < 1e-4,
+        "dx {}",
+        max_abs_diff(&fx, &sx)
+    );
+    assert!(
+        max_abs_diff(&fw, &sw) < 1e-3,
+        "dw {}",
+        max_abs_diff(&fw, &sw)
+    );
 }
 
 #[test]
@@ -118,9 +114,9 @@ fn adamw_matches_the_tensor_formula() {
     let u = ((&m_ref / 0.1).unwrap() / ((&v_ref / 0.05).unwrap().sqrt().unwrap() + 1e-8).unwrap())
         .unwrap();
     let p_ref = ((&p0 * (1.0 - 1e-2 * 0.01)).unwrap() - (u * 1e-2).unwrap()).unwrap();
-    assert!(max_diff(p.as_tensor(), &p_ref) < 1e-5);
+    assert!(max_abs_diff(p.as_tensor(), &p_ref) < 1e-5);
     let m_t = Tensor::from_vec(m, 40_000, &Device::Cpu).unwrap();
-    assert!(max_diff(&m_t, &m_ref) < 1e-6);
+    assert!(max_abs_diff(&m_t, &m_ref) < 1e-6);
 }
 
 #[test]

@@ -834,6 +834,7 @@ pub(crate) fn few_rows_matmul(x2: &Tensor, w: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::test_util::max_abs_diff;
     use candle_core::{D, Device};
 
     /// The tensor path of the decoder for one query row, with the same padding mask.
@@ -872,16 +873,7 @@ mod tests {
         let scale = 1.0 / (hd as f64).sqrt();
         let fast = attend_one(&q, None, &k, &v, &pad, scale as f32).unwrap();
         let slow = reference(&q, &k, &v, &pad, scale);
-        let diff = (fast - slow)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_abs_diff(&fast, &slow);
         assert!(diff < 1e-5, "max abs diff {diff}");
     }
 
@@ -892,16 +884,7 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (8, 96), &dev).unwrap();
         let fast = few_rows_matmul(&x, &w).unwrap();
         let gemm = x.matmul(&w.t().unwrap()).unwrap();
-        let diff = (&fast - gemm)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_abs_diff(&fast, &gemm);
         assert!(diff < 1e-4, "max abs diff {diff}");
         let one = few_rows_matmul(&x.narrow(0, 3, 1).unwrap(), &w).unwrap();
         assert_eq!(
