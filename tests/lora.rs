@@ -666,6 +666,100 @@ fn lora_grpo_runs_two_steps_and_its_adapter_checkpoint_resumes() {
     LocalModel::load_on(&out2.path().join("final"), &Device::Cpu, None).unwrap();
 }
 
+/// A GRPO run with a KL term holds the policy to where the run started. Resumed from a
+/// checkpoint, it must keep that reference (saved as `reference.safetensors`), not take the
+/// checkpoint's weights as the new one: the resumed run ends where the uninterrupted one does,
+/// and one resumed from a checkpoint without the file (as written before) does not.
+#[test]
+fn lora_grpo_with_kl_resumes_with_the_reference_it_started_with() {
+    use envace::engine::runner::ModeChoice;
+    use envace::train::checkpoint::REFERENCE_WEIGHTS;
+    use envace::train::grpo::{GrpoConfig, GrpoRun, run_grpo};
+    let src = bundled();
+    let cfg = LoraConfig::new(8, None, "", 0).unwrap();
+    // Seed 1, real mode: step 2 has reward signal, so the adapter at checkpoint-2 has moved
+    // from the start; the KL term trains every row of step 3.
+    let grpo = GrpoConfig {
+        steps: 3,
+        batch: 4,
+        group: 4,
+        lr: 1e-3,
+        kl_coef: 0.5,
+        seed: 1,
+        mode: ModeChoice::Real,
+        checkpoint_every: 1,
+        ..Default::default()
+    };
+    let model = TrainableModel::load_lora(&src, &cfg, &Device::Cpu).unwrap();
+    let start = model.weights();
+    let start: HashMap<String, Vec<f32>> =
+        start.iter().map(|(k, v)| (k.clone(), flat(v))).collect();
+    let out = tempfile::tempdir().unwrap();
+    let run = |model: &TrainableModel, dir: &Path, out: &Path, resume| {
+        let mut sink = MemorySink::default();
+        run_grpo(
+            &grpo,
+            GrpoRun {
+                model,
+                model_dir: dir,
+                out: Some(out),
+                resume,
+                sink: &mut sink,
+                cancel: &CancelToken::new(),
+            },
+        )
+        .unwrap();
+        sink
+    };
+    run(&model, &src, out.path(), None);
+    let adapter = |f: &Path| -> HashMap<String, Vec<f32>> {
+        file_tensors(f)
+            .iter()
+            .map(|(k, v)| (k.clone(), flat(v)))
+            .collect()
+    };
+    let ck = out.path().join("checkpoint-2");
+    // Every checkpoint holds the starting adapter as the reference; checkpoint-2's own adapter
+    // has moved away from it.
+    assert_eq!(adapter(&ck.join(REFERENCE_WEIGHTS)), start);
+    assert_ne!(adapter(&ck.join("adapter_model.safetensors")), start);
+    let fin = adapter(&out.path().join("final/adapter_model.safetensors"));
+
+    let out2 = tempfile::tempdir().unwrap();
+    let loaded = load_for_resume(&ck, &Device::Cpu).unwrap();
+    assert!(loaded.reference.is_some());
+    let m2 = TrainableModel::load(&ck, &Device::Cpu).unwrap();
+    run(&m2, &ck, out2.path(), Some(&loaded));
+    assert_eq!(
+        adapter(&out2.path().join("final/adapter_model.safetensors")),
+        fin
+    );
+    assert_eq!(
+        adapter(&out2.path().join("final").join(REFERENCE_WEIGHTS)),
+        start
+    );
+    // (Equal final adapters also show that the resumed policy went on from the checkpoint's
+    // weights: the reference was only put in place for the copy.)
+
+    // Without the file the reference is the checkpoint's weights (said in the log), and the
+    // run ends elsewhere.
+    std::fs::remove_file(ck.join(REFERENCE_WEIGHTS)).unwrap();
+    let loaded = load_for_resume(&ck, &Device::Cpu).unwrap();
+    assert!(loaded.reference.is_none());
+    let m3 = TrainableModel::load(&ck, &Device::Cpu).unwrap();
+    let out3 = tempfile::tempdir().unwrap();
+    let sink = run(&m3, &ck, out3.path(), Some(&loaded));
+    assert!(
+        sink.lines.iter().any(|l| l.contains(REFERENCE_WEIGHTS)),
+        "{:?}",
+        sink.lines
+    );
+    assert_ne!(
+        adapter(&out3.path().join("final/adapter_model.safetensors")),
+        fin
+    );
+}
+
 #[test]
 fn train_sft_on_the_sample_sessions_overfits_its_rows() {
     let src = bundled();

@@ -3,7 +3,9 @@
 //! complete. A checkpoint holds an HF model directory (loadable by the runtime) plus, for
 //! resuming, `optimizer.safetensors` and `trainer_state.json` (step, RNG state, data order).
 //! A LoRA run's checkpoint holds a PEFT adapter (`adapter_config.json`,
-//! `adapter_model.safetensors`) in place of the model weights.
+//! `adapter_model.safetensors`) in place of the model weights. A GRPO run with a KL term also
+//! saves its reference's trainable tensors ([`REFERENCE_WEIGHTS`]), so that a resumed run keeps
+//! the reference it started with.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -15,6 +17,10 @@ use serde_json::Value;
 use crate::runtime::config::DecoderConfig;
 use crate::runtime::fixture::tokenizer_config_json;
 use crate::runtime::loader::{ADAPTER_BASE, ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig};
+
+/// The trainable tensors (PEFT adapter or model weights, by the same names) of the policy a KL
+/// term holds the run to: the run's starting point, not the checkpoint's weights.
+pub const REFERENCE_WEIGHTS: &str = "reference.safetensors";
 
 /// Checkpoint errors name the directory and file.
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +139,7 @@ pub fn save(
     weights: &HashMap<String, Tensor>,
     tokenizer_json: &Path,
     optimizer: Option<&HashMap<String, Tensor>>,
+    reference: Option<&HashMap<String, Tensor>>,
     state: &TrainerState,
 ) -> Result<(), CheckpointError> {
     write_atomically(dir, |tmp| {
@@ -142,6 +149,9 @@ pub fn save(
         save_tensors(tmp, "model.safetensors", weights)?;
         if let Some(opt) = optimizer {
             save_tensors(tmp, "optimizer.safetensors", opt)?;
+        }
+        if let Some(r) = reference {
+            save_tensors(tmp, REFERENCE_WEIGHTS, r)?;
         }
         // trainer_state.json is written last: its presence marks a complete checkpoint.
         write_json(
@@ -163,6 +173,7 @@ pub fn save_adapter(
     adapter: &HashMap<String, Tensor>,
     tokenizer_json: &Path,
     optimizer: Option<&HashMap<String, Tensor>>,
+    reference: Option<&HashMap<String, Tensor>>,
     state: &TrainerState,
 ) -> Result<(), CheckpointError> {
     write_atomically(dir, |tmp| {
@@ -175,6 +186,9 @@ pub fn save_adapter(
         if let Some(opt) = optimizer {
             save_tensors(tmp, "optimizer.safetensors", opt)?;
         }
+        if let Some(r) = reference {
+            save_tensors(tmp, REFERENCE_WEIGHTS, r)?;
+        }
         write_json(
             tmp,
             "trainer_state.json",
@@ -183,12 +197,14 @@ pub fn save_adapter(
     })
 }
 
-/// Save a trainer's model and optimizer with `state` (what SFT and GRPO both write).
+/// Save a trainer's model and optimizer with `state` (what SFT and GRPO both write), and the
+/// trainable tensors of a KL term's reference when there is one ([`REFERENCE_WEIGHTS`]).
 pub fn save_trainer(
     dir: &Path,
     model: &super::model::TrainableModel,
     opt: &super::optim::AdamW,
     tokenizer_json: &Path,
+    reference: Option<&HashMap<String, Tensor>>,
     state: &TrainerState,
 ) -> Result<(), CheckpointError> {
     match &model.lora {
@@ -198,6 +214,7 @@ pub fn save_trainer(
             &model.weights(),
             tokenizer_json,
             Some(&opt.state_tensors()),
+            reference,
             state,
         ),
         None => save(
@@ -206,6 +223,7 @@ pub fn save_trainer(
             &model.weights(),
             tokenizer_json,
             Some(&opt.state_tensors()),
+            reference,
             state,
         ),
     }
@@ -217,6 +235,9 @@ pub struct Loaded {
     pub dir: PathBuf,
     pub state: TrainerState,
     pub optimizer: HashMap<String, Tensor>,
+    /// The KL reference's trainable tensors by name ([`REFERENCE_WEIGHTS`]), when the run had
+    /// one; `None` also for checkpoints written before they were saved.
+    pub reference: Option<HashMap<String, Tensor>>,
 }
 
 /// The checkpoint a `--resume` path names: the path itself when it is a checkpoint (it holds
@@ -302,10 +323,21 @@ pub fn load_for_resume(dir: &Path, device: &Device) -> Result<Loaded, Checkpoint
     } else {
         HashMap::new()
     };
+    let rp = dir.join(REFERENCE_WEIGHTS);
+    let reference = if rp.is_file() {
+        let bytes = std::fs::read(&rp).map_err(|e| io(&rp, e))?;
+        Some(
+            candle_core::safetensors::load_buffer(&bytes, device)
+                .map_err(|e| corrupt(format!("{REFERENCE_WEIGHTS}: {e}")))?,
+        )
+    } else {
+        None
+    };
     Ok(Loaded {
         dir: dir.to_path_buf(),
         state,
         optimizer,
+        reference,
     })
 }
 

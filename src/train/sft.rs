@@ -234,6 +234,6 @@ fn save(
         config: serde_json::to_value(cfg).unwrap_or_default(),
         metrics: serde_json::Value::Null,
     };
-    checkpoint::save_trainer(dir, model, opt, tokenizer_json, &state)?;
+    checkpoint::save_trainer(dir, model, opt, tokenizer_json, None, &state)?;
     Ok(())
 }

@@ -34,7 +34,7 @@ pub use step::collapsed;
 
 use batch::{Scored, Trained};
 use rollout::Rollouts;
-use step::{Grounding, Learner, collapse_stop, deep_copy, optimizer, step_metrics};
+use step::{Grounding, Learner, collapse_stop, optimizer, step_metrics};
 
 /// GRPO settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -349,9 +349,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     let base = LocalModel::load_on(model_dir, &model.decoder.device, None)?;
     let profile = PromptProfile::read(model_dir).map_err(|e| TrainError::Data(e.to_string()))?;
     let tasks = training_tasks(cfg)?;
-    let reference = (cfg.kl_coef > 0.0)
-        .then(|| deep_copy(&model.decoder))
-        .transpose()?;
+    let reference = step::reference(cfg, model, resume, sink)?;
     let grounding = Grounding::load(cfg, &base, sink)?;
     cfg.validate()?;
     let (opt, mut step) = optimizer(cfg, model, resume, sink)?;

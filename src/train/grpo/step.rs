@@ -5,6 +5,7 @@
 //! the step's metrics, checkpoints, and the collapse stop. The loss sees only the batch
 //! ([`super::batch`]); it never plays an episode.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::Tensor;
@@ -186,6 +187,92 @@ fn grounding_examples(cfg: &GrpoConfig, base: &LocalModel) -> Result<Vec<Example
 }
 
 /// A copy of the starting policy for the KL term.
+/// The KL term's reference: a frozen copy of the policy as the run started.
+pub(super) struct Reference {
+    pub decoder: Decoder,
+    /// The trainable tensors it was copied from, by the policy's names: saved with every
+    /// checkpoint ([`checkpoint::REFERENCE_WEIGHTS`]) and put back on resume, so that a resumed
+    /// run is held to the same reference as the run it continues (not to the checkpoint's
+    /// weights).
+    pub weights: HashMap<String, Tensor>,
+}
+
+/// The reference for a KL term (`None` without one): the policy as it is now for a new run;
+/// for a resumed run, the policy with the checkpoint's saved reference tensors in place of its
+/// trainable ones. A checkpoint written before references were saved holds none: the
+/// reference is then the checkpoint's weights, and the run says so.
+pub(super) fn reference(
+    cfg: &GrpoConfig,
+    model: &TrainableModel,
+    resume: Option<&Loaded>,
+    sink: &mut dyn MetricsSink,
+) -> Result<Option<Reference>, TrainError> {
+    if cfg.kl_coef <= 0.0 {
+        return Ok(None);
+    }
+    let saved = match resume {
+        Some(l) => match &l.reference {
+            Some(r) => Some((l, r)),
+            None => {
+                sink.log(&format!(
+                    "{}: no {} (written before KL references were saved): the KL term's \
+                     reference is this checkpoint's weights, not the run's starting point",
+                    l.dir.display(),
+                    checkpoint::REFERENCE_WEIGHTS
+                ));
+                None
+            }
+        },
+        None => None,
+    };
+    let Some((loaded, saved)) = saved else {
+        let weights = model
+            .named_vars()
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.as_tensor().copy()?)))
+            .collect::<candle_core::Result<_>>()?;
+        return Ok(Some(Reference {
+            decoder: deep_copy(&model.decoder)?,
+            weights,
+        }));
+    };
+    // Copy the decoder with the saved tensors in the trainable parameters' place, then put the
+    // checkpoint's values back.
+    let vars = model.named_vars();
+    let mut now = Vec::with_capacity(vars.len());
+    for (name, var) in &vars {
+        let Some(t) = saved.get(name) else {
+            return Err(checkpoint::CheckpointError::Corrupt {
+                path: loaded
+                    .dir
+                    .join(checkpoint::REFERENCE_WEIGHTS)
+                    .display()
+                    .to_string(),
+                message: format!("no tensor `{name}`"),
+            }
+            .into());
+        };
+        now.push(var.as_tensor().copy()?);
+        var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)
+            .map_err(|e| checkpoint::CheckpointError::Corrupt {
+                path: loaded
+                    .dir
+                    .join(checkpoint::REFERENCE_WEIGHTS)
+                    .display()
+                    .to_string(),
+                message: format!("`{name}`: {e}"),
+            })?;
+    }
+    let decoder = deep_copy(&model.decoder);
+    for ((_, var), t) in vars.iter().zip(&now) {
+        var.set(t)?;
+    }
+    Ok(Some(Reference {
+        decoder: decoder?,
+        weights: saved.clone(),
+    }))
+}
+
 pub(super) fn deep_copy(d: &Decoder) -> Result<Decoder, TrainError> {
     // Round-trip the weights so that the reference shares no storage with the policy.
     let mut copy = d.clone();
@@ -336,7 +423,7 @@ pub(super) struct Learner<'a> {
     pub cfg: &'a GrpoConfig,
     pub model: &'a TrainableModel,
     /// A frozen copy of the starting policy for the KL term (`kl_coef > 0`).
-    pub reference: Option<Decoder>,
+    pub reference: Option<Reference>,
     pub grounding: Grounding,
     pub opt: AdamW,
 }
@@ -384,7 +471,7 @@ impl Learner<'_> {
                     .sum();
                 let ml = micro_loss(
                     &self.model.decoder,
-                    self.reference.as_ref(),
+                    self.reference.as_ref().map(|r| &r.decoder),
                     rows,
                     cfg,
                     trained.norms,
@@ -453,7 +540,8 @@ impl Learner<'_> {
             config: serde_json::to_value(cfg).unwrap_or_default(),
             metrics: serde_json::Value::Null,
         };
-        checkpoint::save_trainer(dir, self.model, opt, tokenizer_json, &state)?;
+        let reference = self.reference.as_ref().map(|r| &r.weights);
+        checkpoint::save_trainer(dir, self.model, opt, tokenizer_json, reference, &state)?;
         Ok(())
     }
 }
