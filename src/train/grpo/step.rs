@@ -186,7 +186,6 @@ fn grounding_examples(cfg: &GrpoConfig, base: &LocalModel) -> Result<Vec<Example
     Ok(data.examples)
 }
 
-/// A copy of the starting policy for the KL term.
 /// The KL term's reference: a frozen copy of the policy as the run started.
 pub(super) struct Reference {
     pub decoder: Decoder,
@@ -236,32 +235,37 @@ pub(super) fn reference(
             weights,
         }));
     };
-    // Copy the decoder with the saved tensors in the trainable parameters' place, then put the
+    // Check every tensor first (so that a bad file leaves the policy as it was), then copy
+    // the decoder with the saved tensors in the trainable parameters' place and put the
     // checkpoint's values back.
+    let corrupt = |message: String| checkpoint::CheckpointError::Corrupt {
+        path: loaded
+            .dir
+            .join(checkpoint::REFERENCE_WEIGHTS)
+            .display()
+            .to_string(),
+        message,
+    };
     let vars = model.named_vars();
-    let mut now = Vec::with_capacity(vars.len());
+    let mut swap = Vec::with_capacity(vars.len());
     for (name, var) in &vars {
-        let Some(t) = saved.get(name) else {
-            return Err(checkpoint::CheckpointError::Corrupt {
-                path: loaded
-                    .dir
-                    .join(checkpoint::REFERENCE_WEIGHTS)
-                    .display()
-                    .to_string(),
-                message: format!("no tensor `{name}`"),
-            }
+        let t = saved
+            .get(name)
+            .ok_or_else(|| corrupt(format!("no tensor `{name}`")))?;
+        if t.dims() != var.dims() {
+            return Err(corrupt(format!(
+                "`{name}` has shape {:?}, the policy's is {:?}",
+                t.dims(),
+                var.dims()
+            ))
             .into());
-        };
+        }
+        swap.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
+    }
+    let mut now = Vec::with_capacity(vars.len());
+    for ((_, var), t) in vars.iter().zip(&swap) {
         now.push(var.as_tensor().copy()?);
-        var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)
-            .map_err(|e| checkpoint::CheckpointError::Corrupt {
-                path: loaded
-                    .dir
-                    .join(checkpoint::REFERENCE_WEIGHTS)
-                    .display()
-                    .to_string(),
-                message: format!("`{name}`: {e}"),
-            })?;
+        var.set(t)?;
     }
     let decoder = deep_copy(&model.decoder);
     for ((_, var), t) in vars.iter().zip(&now) {
@@ -273,6 +277,7 @@ pub(super) fn reference(
     }))
 }
 
+/// A copy of the starting policy for the KL term.
 pub(super) fn deep_copy(d: &Decoder) -> Result<Decoder, TrainError> {
     // Round-trip the weights so that the reference shares no storage with the policy.
     let mut copy = d.clone();
