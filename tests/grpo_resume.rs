@@ -1,7 +1,7 @@
 //! GRPO with a KL term, resumed: the reference a run is held to is where the run started, also
 //! after `--resume` (the checkpoint saves it as `reference.safetensors`); a checkpoint without
 //! one (written before) resumes against its own weights and says so; a file that does not fit
-//! the policy is refused, naming it.
+//! the policy is refused, naming it. The resumed run's report counts the run's episodes.
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
@@ -65,7 +65,7 @@ fn lora_grpo_with_kl_resumes_with_the_reference_it_started_with() {
     let out = tempfile::tempdir().unwrap();
     let run = |model: &TrainableModel, dir: &Path, out: &Path, resume| {
         let mut sink = MemorySink::default();
-        run_grpo(
+        let report = run_grpo(
             &grpo,
             GrpoRun {
                 model,
@@ -77,9 +77,9 @@ fn lora_grpo_with_kl_resumes_with_the_reference_it_started_with() {
             },
         )
         .unwrap();
-        sink
+        (sink, report)
     };
-    run(&model, &src, out.path(), None);
+    let (_, whole) = run(&model, &src, out.path(), None);
     let adapter = |f: &Path| -> HashMap<String, Vec<f32>> {
         file_tensors(f)
             .iter()
@@ -97,7 +97,11 @@ fn lora_grpo_with_kl_resumes_with_the_reference_it_started_with() {
     let loaded = load_for_resume(&ck, &Device::Cpu).unwrap();
     assert!(loaded.reference.is_some());
     let m2 = TrainableModel::load(&ck, &Device::Cpu).unwrap();
-    run(&m2, &ck, out2.path(), Some(&loaded));
+    // The report counts the run's episodes, the ones before the checkpoint included.
+    assert_eq!(loaded.state.rng["episodes"], 2 * 4 * 4);
+    let (_, resumed) = run(&m2, &ck, out2.path(), Some(&loaded));
+    assert_eq!((resumed.steps, resumed.episodes), (3, whole.episodes));
+    assert_eq!(whole.episodes, 3 * 4 * 4);
     assert_eq!(
         adapter(&out2.path().join("final/adapter_model.safetensors")),
         fin
@@ -116,7 +120,7 @@ fn lora_grpo_with_kl_resumes_with_the_reference_it_started_with() {
     assert!(loaded.reference.is_none());
     let m3 = TrainableModel::load(&ck, &Device::Cpu).unwrap();
     let out3 = tempfile::tempdir().unwrap();
-    let sink = run(&m3, &ck, out3.path(), Some(&loaded));
+    let (sink, _) = run(&m3, &ck, out3.path(), Some(&loaded));
     assert!(
         sink.lines.iter().any(|l| l.contains(REFERENCE_WEIGHTS)),
         "{:?}",

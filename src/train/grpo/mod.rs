@@ -317,6 +317,7 @@ impl GrpoConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct GrpoReport {
     pub steps: usize,
+    /// Over the whole run: a resumed run counts the episodes its checkpoint records.
     pub episodes: usize,
     pub first_reward: f64,
     pub last_reward: f64,
@@ -359,6 +360,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         reference,
         grounding,
         opt,
+        episodes: step::episodes_before(resume),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -366,7 +368,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         .build()
         .map_err(|e| TrainError::Data(format!("tokio: {e}")))?;
     let t0 = Instant::now();
-    let (mut first, mut last, mut episodes) = (f64::NAN, f64::NAN, 0usize);
+    let (mut first, mut last) = (f64::NAN, f64::NAN);
     let mut stopped = "steps".to_string();
     let mut history: Vec<f64> = Vec::new();
     let tok_json = model_dir.join("tokenizer.json");
@@ -389,7 +391,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         let ts = Instant::now();
         // 1. Rollouts with the current weights: a group of episodes per task.
         let played = rollouts.collect(step)?;
-        episodes += played.stats.episodes;
+        learner.episodes += played.stats.episodes;
         let mean_reward = played.stats.mean_reward();
         // 2. The batch: role-wise advantages, copy masks, the rows that carry signal.
         let scored = Scored::new(cfg, &played.groups, &base.tokenizer, end_of_turn);
@@ -425,7 +427,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     }
     Ok(GrpoReport {
         steps: step,
-        episodes,
+        episodes: learner.episodes,
         first_reward: first,
         last_reward: last,
         stopped,
