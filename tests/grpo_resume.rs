@@ -1,38 +1,23 @@
 //! GRPO with a KL term, resumed: the reference a run is held to is where the run started, also
 //! after `--resume` (the checkpoint saves it as `reference.safetensors`); a checkpoint without
 //! one (written before) resumes against its own weights and says so; a file that does not fit
-//! the policy is refused, naming it. The resumed run's report counts the run's episodes.
+//! the policy is refused, naming it. A resumed run's report counts the whole run's episodes.
 
 // Tests may unwrap: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{Device, Tensor};
+use common::{bundled, file_tensors, flat};
 use envace::runtime::CancelToken;
 use envace::train::checkpoint::load_for_resume;
 use envace::train::lora::LoraConfig;
 use envace::train::metrics::MemorySink;
 use envace::train::model::TrainableModel;
-
-fn bundled() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
-    assert!(
-        p.join("model.safetensors").is_file(),
-        "the bundled model is missing"
-    );
-    p
-}
-
-fn file_tensors(path: &Path) -> HashMap<String, Tensor> {
-    let bytes = std::fs::read(path).unwrap();
-    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-}
 
 /// A GRPO run with a KL term holds the policy to where the run started. Resumed from a
 /// checkpoint, it must keep that reference (saved as `reference.safetensors`), not take the
@@ -97,11 +82,10 @@ fn lora_grpo_with_kl_resumes_with_the_reference_it_started_with() {
     let loaded = load_for_resume(&ck, &Device::Cpu).unwrap();
     assert!(loaded.reference.is_some());
     let m2 = TrainableModel::load(&ck, &Device::Cpu).unwrap();
-    // The report counts the run's episodes, the ones before the checkpoint included.
-    assert_eq!(loaded.state.rng["episodes"], 2 * 4 * 4);
+    // The report counts the whole run's episodes, the steps before the checkpoint included.
     let (_, resumed) = run(&m2, &ck, out2.path(), Some(&loaded));
+    assert_eq!((whole.steps, whole.episodes), (3, 3 * 4 * 4));
     assert_eq!((resumed.steps, resumed.episodes), (3, whole.episodes));
-    assert_eq!(whole.episodes, 3 * 4 * 4);
     assert_eq!(
         adapter(&out2.path().join("final/adapter_model.safetensors")),
         fin

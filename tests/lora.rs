@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod common;
-use common::max_abs_diff;
+use common::{bundled, file_tensors, flat, max_abs_diff};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -29,15 +29,6 @@ const ALL: &str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn bundled() -> PathBuf {
-    let p = root().join("models/envace-tiny");
-    assert!(
-        p.join("model.safetensors").is_file(),
-        "the bundled model is missing"
-    );
-    p
 }
 
 fn examples() -> Vec<Example> {
@@ -92,15 +83,6 @@ fn trained_adapter() -> (tempfile::TempDir, PathBuf, TrainableModel, PathBuf) {
     let m = TrainableModel::load_lora(&base, &cfg, &Device::Cpu).unwrap();
     let adapter = sft_run(&m, &base, 8, &dir.path().join("run"));
     (dir, base, m, adapter)
-}
-
-fn file_tensors(path: &Path) -> HashMap<String, Tensor> {
-    let bytes = std::fs::read(path).unwrap();
-    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
 /// The decoder's dense weights by HF name (what a full checkpoint would hold).

@@ -1,5 +1,6 @@
-//! Helpers shared by integration test crates: the SmolLM2 fixture's path (failing with what to
-//! run when it is missing), one tensor comparison, and running the release binary. Each crate
+//! Helpers shared by integration test crates: the SmolLM2 fixture's and the bundled model's
+//! paths (failing with what to run when missing), reading a safetensors file, one tensor
+//! comparison, and running the release binary. Each crate
 //! compiles this module on its own and uses part of it. (The library's unit tests have their
 //! own `max_abs_diff` in src/runtime/test_util.rs: a test crate cannot see `cfg(test)` items.)
 
@@ -20,6 +21,27 @@ pub fn smollm2_gguf() -> PathBuf {
         p.display()
     );
     p
+}
+
+/// The bundled tiny model (models/envace-tiny, committed).
+pub fn bundled() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/envace-tiny");
+    assert!(
+        p.join("model.safetensors").is_file(),
+        "the bundled model is missing"
+    );
+    p
+}
+
+/// A safetensors file's tensors by name, on the CPU.
+pub fn file_tensors(path: &std::path::Path) -> std::collections::HashMap<String, Tensor> {
+    let bytes = std::fs::read(path).unwrap();
+    candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).unwrap()
+}
+
+/// A tensor's values, flattened (f32).
+pub fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
 /// The largest absolute difference between two tensors of one shape (f32).

@@ -317,7 +317,7 @@ impl GrpoConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct GrpoReport {
     pub steps: usize,
-    /// Over the whole run: a resumed run counts the episodes its checkpoint records.
+    /// Over the whole run, a resumed run's steps before its checkpoint included.
     pub episodes: usize,
     pub first_reward: f64,
     pub last_reward: f64,
@@ -360,7 +360,6 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         reference,
         grounding,
         opt,
-        episodes: step::episodes_before(resume),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -369,6 +368,8 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         .map_err(|e| TrainError::Data(format!("tokio: {e}")))?;
     let t0 = Instant::now();
     let (mut first, mut last) = (f64::NAN, f64::NAN);
+    // A resumed run counts the episodes of the steps before its checkpoint too.
+    let mut episodes = rollout::episodes_before(&tasks, cfg, step);
     let mut stopped = "steps".to_string();
     let mut history: Vec<f64> = Vec::new();
     let tok_json = model_dir.join("tokenizer.json");
@@ -391,7 +392,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
         let ts = Instant::now();
         // 1. Rollouts with the current weights: a group of episodes per task.
         let played = rollouts.collect(step)?;
-        learner.episodes += played.stats.episodes;
+        episodes += played.stats.episodes;
         let mean_reward = played.stats.mean_reward();
         // 2. The batch: role-wise advantages, copy masks, the rows that carry signal.
         let scored = Scored::new(cfg, &played.groups, &base.tokenizer, end_of_turn);
@@ -427,7 +428,7 @@ pub fn run_grpo(cfg: &GrpoConfig, run: GrpoRun<'_>) -> Result<GrpoReport, TrainE
     }
     Ok(GrpoReport {
         steps: step,
-        episodes: learner.episodes,
+        episodes,
         first_reward: first,
         last_reward: last,
         stopped,

@@ -102,6 +102,15 @@ pub fn step_tasks(
         .collect()
 }
 
+/// Episodes played by steps `0..step` (counted from 0): [`step_tasks`] of each, `group` apiece.
+/// A resumed run counts the steps before its checkpoint this way: they are a function of the
+/// configuration, so nothing needs recording.
+pub fn episodes_before(tasks: &[&'static Task], cfg: &GrpoConfig, step: usize) -> usize {
+    (0..step)
+        .map(|s| step_tasks(tasks, cfg.batch, cfg.seed, s).len() * cfg.group)
+        .sum()
+}
+
 /// The train-split tasks a run plays: every domain's, cut to `task_limit` per domain, or the
 /// named `task_ids` (each must be a train-split task of one of the run's domains).
 pub fn training_tasks(cfg: &GrpoConfig) -> Result<Vec<&'static Task>, TrainError> {

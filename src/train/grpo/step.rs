@@ -25,15 +25,6 @@ use crate::train::metrics::{MetricsSink, StepMetrics};
 use crate::train::model::{Example, TrainableModel};
 use crate::train::optim::{AdamW, AdamWConfig};
 
-/// The episodes a resumed run had played ([`Learner::episodes`]); 0 for a new run, and for a
-/// checkpoint written before they were recorded.
-pub(super) fn episodes_before(resume: Option<&Loaded>) -> usize {
-    resume
-        .and_then(|l| l.state.rng.get("episodes"))
-        .and_then(|v| v.as_u64())
-        .map_or(0, |n| n as usize)
-}
-
 /// The optimizer over the model's trainable parameters less the frozen ones, restored from
 /// `resume` when given (whose configuration must match), and the step the run starts at.
 pub(super) fn optimizer(
@@ -440,9 +431,6 @@ pub(super) struct Learner<'a> {
     pub reference: Option<Reference>,
     pub grounding: Grounding,
     pub opt: AdamW,
-    /// Episodes played since the run began, a resumed run's earlier ones included (recorded in
-    /// each checkpoint's trainer state).
-    pub episodes: usize,
 }
 
 impl Learner<'_> {
@@ -553,7 +541,6 @@ impl Learner<'_> {
                 "rollout_seeds": "f(seed, step, task index, group index)",
                 "task_order": "seeded epoch permutations",
                 "optimizer_steps": opt.step,
-                "episodes": self.episodes,
             }),
             config: serde_json::to_value(cfg).unwrap_or_default(),
             metrics: serde_json::Value::Null,
